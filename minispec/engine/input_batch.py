@@ -1,0 +1,47 @@
+"""One step's batch as tensors: batch positions, slots and logits rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class InputBatch:
+    """The requests scheduled this step, in batch-position order.
+
+    A request with n drafts to verify has n + 1 logits rows (its drafts and the bonus); a
+    request whose prefill chunk ends inside the prompt has none.
+    """
+
+    req_ids: list[str]
+    idx_mapping_np: np.ndarray  # [num_reqs] batch position -> slot (req_state_idx)
+    idx_mapping: torch.Tensor  # [num_reqs]
+    cu_num_logits_np: np.ndarray  # [num_reqs + 1] first logits row of each request
+    expanded_idx_mapping: torch.Tensor  # [num_logits] slot of each logits row
+    expanded_local_pos: torch.Tensor  # [num_logits] row's position within its request, 0..num_drafts
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_logits(self) -> int:
+        return int(self.cu_num_logits_np[-1])
+
+    @staticmethod
+    def build(req_ids: list[str], slots: np.ndarray, num_logits: np.ndarray, device) -> "InputBatch":
+        """From each request's slot and number of logits rows."""
+        cu = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(num_logits, out=cu[1:])
+        expanded_slots = np.repeat(slots, num_logits)
+        local_pos = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], num_logits)
+        return InputBatch(
+            req_ids=req_ids,
+            idx_mapping_np=slots.astype(np.int32),
+            idx_mapping=torch.from_numpy(slots.astype(np.int32)).to(device),
+            cu_num_logits_np=cu,
+            expanded_idx_mapping=torch.from_numpy(expanded_slots.astype(np.int32)).to(device),
+            expanded_local_pos=torch.from_numpy(local_pos.astype(np.int32)).to(device),
+        )
