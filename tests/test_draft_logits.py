@@ -1,0 +1,237 @@
+"""DraftLogitsCache: Triton kernels vs torch references, skip/staleness semantics, multi-rank runs."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from minispec.distributed import TPGroup
+from minispec.engine.input_batch import InputBatch
+from minispec.spec_decode import draft_logits
+from minispec.spec_decode.draft_logits import (
+    DraftLogitsCache,
+    draft_logits_row,
+    shard_owners,
+    shard_rows,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "dist_scripts" / "draft_logits_check.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("draft_logits_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def triton_path(on: bool):
+    old = draft_logits.FORCE_TRITON
+    draft_logits.FORCE_TRITON = on
+    try:
+        yield
+    finally:
+        draft_logits.FORCE_TRITON = old
+
+
+@pytest.fixture
+def fake_tp(monkeypatch):
+    """Make the cache see a TP group of (tp, rank) without torch.distributed."""
+
+    def set_group(tp: int, rank: int):
+        monkeypatch.setattr(draft_logits, "get_tp_group", lambda: TPGroup(tp, rank))
+
+    return set_group
+
+
+def make_cache(max_num_reqs=8, num_steps=2, vocab_size=3, sharded=True):
+    return DraftLogitsCache(max_num_reqs, num_steps, vocab_size, dtype=torch.float32, fill=0.0,
+                            device="cpu", sharded=sharded)
+
+
+def build(slots, num_logits):
+    return InputBatch.build([f"r{s}" for s in slots], np.array(slots, dtype=np.int32),
+                            np.array(num_logits, dtype=np.int64), "cpu")
+
+
+def test_shard_helpers():
+    assert shard_owners(7, 3).tolist() == [0, 1, 2, 0, 1, 2, 0]
+    assert shard_rows(7, 3).tolist() == [0, 0, 0, 1, 1, 1, 2]
+    assert shard_owners(0, 2).dtype == np.int32 and shard_rows(4, 1).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_initial_tables(fake_tp, tp):
+    fake_tp(tp, tp - 1)
+    cache = make_cache(max_num_reqs=8)
+    assert cache.values.shape == (-(-8 // tp), 2, 3)
+    assert cache.shard_mapping_np.tolist() == [s % tp for s in range(8)]
+    assert cache.shard_mapping.tolist() == cache.shard_mapping_np.tolist()
+    assert cache.row_mapping.tolist() == [s // tp if s % tp == tp - 1 else -1 for s in range(8)]
+    assert cache.inverse_row_mapping.tolist() == [-1] * (-(-8 // tp))
+    assert cache.nbytes == cache.values.numel() * 4
+    # Never drafted: stale on its slot-based owner.
+    stale = cache.stale_drafts(build([tp - 1], [2]))
+    assert stale.tolist() == [True, True]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_kernels_match_torch(fake_tp, tp):
+    """Random batches: Triton (interpreted) and torch paths give identical tables and stale flags."""
+    rng = np.random.default_rng(tp)
+    max_num_reqs, num_steps = 11, 3
+    for rank in range(tp):
+        fake_tp(tp, rank)
+        ref = make_cache(max_num_reqs, num_steps)
+        tri = make_cache(max_num_reqs, num_steps)
+        for _ in range(12):
+            n = int(rng.integers(0, max_num_reqs + 1))
+            slots = rng.permutation(max_num_reqs)[:n].astype(np.int32)
+            # Some batches verify first (stale_drafts), all then draft (assign).
+            num_logits = rng.integers(0, num_steps + 3, size=n)
+            batch = build(slots.tolist(), num_logits)
+            want = ref.stale_drafts(batch)
+            with triton_path(True):
+                got = tri.stale_drafts(batch)
+            assert got.dtype == torch.bool and torch.equal(got, want), (got, want)
+            ref.assign(batch.idx_mapping, batch.idx_mapping_np)
+            with triton_path(True):
+                tri.assign(batch.idx_mapping, batch.idx_mapping_np)
+            for name in ("row_mapping", "inverse_row_mapping", "shard_mapping"):
+                assert torch.equal(getattr(ref, name), getattr(tri, name)), name
+            assert np.array_equal(ref.shard_mapping_np, tri.shard_mapping_np)
+            assert ref.shard_mapping_np.tolist() == ref.shard_mapping.tolist()
+            # The assign semantics, spelled out.
+            for i, s in enumerate(slots):
+                assert ref.shard_mapping_np[s] == i % tp
+                row = i // tp if i % tp == rank else -1
+                assert ref.row_mapping[s] == row
+                if row >= 0:
+                    assert ref.inverse_row_mapping[row] == s
+
+
+@triton.jit
+def _rows_test_kernel(out_ptr, slots_ptr, row_mapping_ptr, n, BLOCK: tl.constexpr):
+    idx = tl.arange(0, BLOCK)
+    slot = tl.load(slots_ptr + idx, mask=idx < n, other=-1)
+    tl.store(out_ptr + idx, draft_logits_row(slot, row_mapping_ptr), mask=idx < n)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_draft_logits_row(fake_tp, sharded):
+    fake_tp(2, 1)
+    cache = make_cache(max_num_reqs=6, sharded=sharded)
+    batch = build([4, 0, 5, 2], [1, 1, 1, 1])
+    cache.assign(batch.idx_mapping, batch.idx_mapping_np)
+    slots = torch.tensor([0, 1, 2, 3, 4, 5], dtype=torch.int32)
+    out = torch.empty(6, dtype=torch.int64)
+    _rows_test_kernel[(1,)](out, slots, cache.row_mapping, 6, BLOCK=8)
+    assert out.tolist() == cache.rows_of(slots).tolist()
+    if sharded:
+        # Positions 1 (slot 0) and 3 (slot 2) go to rank 1, rows 0 and 1; slots 1 and 3 keep their
+        # slot-based row (slot // 2), slots 4 and 5 went to rank 0.
+        assert out.tolist() == [0, 0, 1, 1, -1, -1]
+        assert cache.rows_of(torch.tensor([-1, 2])).tolist() == [-1, 1]
+    else:
+        assert out.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_skip_scenario_tp1(fake_tp, use_triton):
+    """A skipped request whose row was reused has stale drafts; the request that reused it has not."""
+    fake_tp(1, 0)
+    A, B = 3, 5
+    num_steps = 2
+    sharded = make_cache(max_num_reqs=8, num_steps=num_steps)
+    replicated = make_cache(max_num_reqs=8, num_steps=num_steps, sharded=False)
+    with triton_path(use_triton):
+        step1 = build([A, B], [1, 1])  # prefill: nothing to verify
+        sharded.assign(step1.idx_mapping, step1.idx_mapping_np)  # A row 0, B row 1
+        assert sharded.rows_of(torch.tensor([A, B])).tolist() == [0, 1]
+
+        step2 = build([B], [num_steps + 1])  # A skipped; B at position 0 takes A's row 0
+        assert sharded.stale_drafts(step2).tolist() == [False] * (num_steps + 1)
+        sharded.assign(step2.idx_mapping, step2.idx_mapping_np)
+        assert sharded.rows_of(torch.tensor([A, B])).tolist() == [0, 0]
+
+        step3 = build([A, B], [num_steps + 1, num_steps + 1])
+        stale = sharded.stale_drafts(step3)
+        # A's drafts (step 1) were overwritten by B's; the bonus row (local pos num_steps) reads none.
+        assert stale.tolist() == [True, True, False, False, False, False]
+        owners, table = sharded.owners_of(step3.idx_mapping_np)
+        assert owners.tolist() == [0, 0] and table is sharded.shard_mapping
+
+    # Replicated: rows are slots, never reused, never stale; assign is a no-op.
+    replicated.assign(step1.idx_mapping, step1.idx_mapping_np)
+    assert replicated.row_mapping is None and replicated.stale_drafts(step3) is None
+    assert replicated.rows_of(torch.tensor([A, B])).tolist() == [A, B]
+    owners, table = replicated.owners_of(step3.idx_mapping_np)
+    assert owners.tolist() == [0, 0] and table is None
+    assert replicated.values.shape == (8, num_steps, 3)
+
+
+def test_replicated_owners_round_robin(fake_tp):
+    fake_tp(3, 2)
+    cache = make_cache(max_num_reqs=8, sharded=False)
+    owners, table = cache.owners_of(np.array([7, 1, 4, 0, 2], dtype=np.int32))
+    assert owners.tolist() == [0, 1, 2, 0, 1] and table is None
+    assert cache.stale_drafts(build([7], [2])) is None
+
+
+def test_empty_batch(fake_tp):
+    fake_tp(2, 0)
+    for on in (False, True):
+        cache = make_cache()
+        batch = build([], [])
+        with triton_path(on):
+            cache.assign(batch.idx_mapping, batch.idx_mapping_np)
+            stale = cache.stale_drafts(batch)
+        assert stale.shape == (0,) and stale.dtype == torch.bool
+        assert cache.inverse_row_mapping.tolist() == [-1] * 4
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_oracle_all_ranks_in_process(fake_tp, tp):
+    """Every rank of a tp group, simulated in one process, agrees with the oracle of the dist script."""
+    check = _load_script()
+    steps = check.make_schedule(num_iters=30, seed=7 + tp)
+    assert any(len(s.slots) for s in steps)
+    for rank in range(tp):
+        fake_tp(tp, rank)
+        errors = check.run_rank(tp, rank, torch.device("cpu"), steps, check_triton=(rank == 0))
+        assert errors == []
+
+
+def test_oracle_detects_a_broken_cache(fake_tp, monkeypatch):
+    """The dist checks fail when assign forgets to record the row's new slot."""
+    check = _load_script()
+    fake_tp(2, 0)
+    monkeypatch.setattr(draft_logits, "_assign_rows_torch",
+                        lambda idx, shard, rows, inverse, n, r: shard.__setitem__(idx.long(), 0))
+    errors = check.run_rank(2, 0, torch.device("cpu"), check.make_schedule(20, seed=3))
+    assert errors
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_multi_rank(nproc):
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(SCRIPT)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for rank in range(nproc):
+        assert f"rank {rank}: OK" in out
+        assert f"rank {rank}/{nproc}: values bytes sharded" in out
