@@ -1,0 +1,238 @@
+"""The engine and its step: schedule -> verify -> accept -> draft. The whole speculative loop lives here."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minispec.distributed import get_tp_group
+from minispec.engine.input_batch import InputBatch
+from minispec.engine.model_runner import ModelRunner
+from minispec.engine.request import Request
+from minispec.engine.scheduler import Scheduler, ScheduledRequest
+from minispec.sample.random import RequestRandom, exponentials, uniforms
+from minispec.sampling_params import SamplingParams
+from minispec.spec_decode.draft_logits import DraftLogitsCache
+from minispec.spec_decode.proposer import BatchSampling, Proposer
+from minispec.spec_decode.rejection_sampler import rejection_sample
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Sizes and switches of one engine."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    num_speculative_tokens: int = 4
+    shard_draft_logits: bool | None = None  # None: sharded iff tp > 1
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step added to one request."""
+
+    req: Request
+    new_token_ids: list[int]
+
+
+class Engine:
+    """Continuous batching over one target (and optionally one proposer)."""
+
+    def __init__(self, target: ModelRunner, proposer: Proposer | None, config: EngineConfig,
+                 eos_token_ids: set[int], vocab_size: int):
+        self.target = target
+        self.proposer = proposer
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.device = target.device
+        self.k = proposer.k if proposer is not None else 0
+        if config.max_num_batched_tokens < self.k + 1:
+            raise ValueError(
+                f"max_num_batched_tokens={config.max_num_batched_tokens} cannot fit one decode of "
+                f"1 + {self.k} draft tokens"
+            )
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.draft_logits: DraftLogitsCache | None = None
+        if proposer is not None:
+            sharded = config.shard_draft_logits
+            if sharded is None:
+                sharded = get_tp_group().world_size > 1
+            self.draft_logits = DraftLogitsCache(
+                config.max_num_seqs, self.k, vocab_size, dtype=torch.float32, fill=0.0,
+                device=self.device, sharded=sharded,
+            )
+        self._num_arrived = 0
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int) -> Request:
+        """Queue a request. `seed` drives all its randomness (params.seed if the caller set one)."""
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id!r} is already running")
+        if not prompt_token_ids:
+            raise ValueError("empty prompt: give at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens does not fit the model's context "
+                f"({self.config.max_model_len} tokens, including at least one generated)"
+            )
+        req = Request(req_id, list(prompt_token_ids), params, RequestRandom(seed), self._num_arrived)
+        req.metrics.accepted_per_position = [0] * self.k
+        req.metrics.arrival_time = time.perf_counter()
+        self._num_arrived += 1
+        self.requests[req_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, req_id: str) -> None:
+        """Stop a request now and free its slot (KV caches and draft-logits row)."""
+        req = self.requests.get(req_id)
+        if req is not None and not req.finished:
+            self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.metrics.finish_time = time.perf_counter()
+        req.drafts = None
+        if self.proposer is not None:
+            self.proposer.free(req)
+        self.scheduler.free(req)
+        del self.requests[req.req_id]
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """One engine step: verify the scheduled requests' drafts, accept, then draft anew."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        verified = [s for s in scheduled if s.verify]
+        sampled = self._verify(scheduled, verified)  # [num_verified, k + 1], [num_verified]
+        outputs = self._accept(verified, *sampled)
+        if self.proposer is not None:
+            to_draft = [s.req for s in verified if not s.req.finished]
+            if to_draft:
+                self._draft(to_draft)
+        return outputs
+
+    def _verify(self, scheduled: list[ScheduledRequest], verified: list[ScheduledRequest]):
+        """One target forward over every scheduled request's new tokens (+ drafts); sample the verified."""
+        queries, num_logits = [], []
+        for s in scheduled:
+            r = s.req
+            q = r.token_ids[r.num_computed : r.num_computed + s.num_tokens]
+            n = 0
+            if s.verify:
+                n = 1 + r.num_drafts
+                if r.num_drafts:
+                    q = q + [max(int(d), 0) for d in r.drafts]  # a -1 placeholder feeds token 0; never accepted
+            queries.append(q)
+            num_logits.append(n)
+        logits = self.target.forward(
+            [s.req.slot for s in scheduled], [s.req.num_computed for s in scheduled], queries, num_logits
+        )  # [num_logits, V]
+        for s in scheduled:
+            if not s.verify:
+                s.req.num_computed += s.num_tokens
+        if not verified:
+            return None, None
+        reqs = [s.req for s in verified]
+        num_logits_v = np.array([1 + r.num_drafts for r in reqs], dtype=np.int64)
+        batch = InputBatch.build([r.req_id for r in reqs], np.array([r.slot for r in reqs]), num_logits_v, self.device)
+        draft_tokens = np.full(batch.num_logits, -1, dtype=np.int64)  # [num_logits]
+        for r, start in zip(reqs, batch.cu_num_logits_np[:-1]):
+            if r.num_drafts:
+                draft_tokens[start : start + r.num_drafts] = r.drafts
+        draft_logits, stale = None, None
+        if self.draft_logits is not None:
+            cache = self.draft_logits
+            rows = cache.rows_of(batch.expanded_idx_mapping.long())  # [num_logits]
+            steps = batch.expanded_local_pos.long().clamp(max=max(self.k - 1, 0))
+            draft_logits = cache.values[rows.clamp(min=0), steps]  # [num_logits, V]
+            stale = cache.stale_drafts(batch)
+            if stale is not None:
+                stale = stale & torch.from_numpy(draft_tokens >= 0).to(self.device)
+                self._count_stale(reqs, batch, stale)
+        else:
+            draft_logits = logits  # unused: every row is a bonus row
+        sampling = BatchSampling(reqs, self.device)
+        greedy = sampling.greedy
+        max_drafts = int(num_logits_v.max()) - 1
+        u = (torch.zeros(len(reqs), max_drafts) if greedy or max_drafts == 0
+             else uniforms([r.random.verify for r in reqs], max_drafts))
+        noise = (torch.ones(len(reqs), logits.shape[-1]) if greedy
+                 else exponentials([r.random.verify for r in reqs], logits.shape[-1]))
+        tokens, num_sampled = rejection_sample(
+            logits, draft_logits, torch.from_numpy(draft_tokens).to(self.device), stale,
+            torch.from_numpy(batch.cu_num_logits_np).to(self.device),
+            sampling.temperature, sampling.top_k, sampling.top_p,
+            u.to(self.device), noise.to(self.device),
+        )
+        return tokens.cpu().numpy(), num_sampled.cpu().numpy()
+
+    def _count_stale(self, reqs: list[Request], batch: InputBatch, stale: torch.Tensor) -> None:
+        stale_np = stale.cpu().numpy()
+        for r, start in zip(reqs, batch.cu_num_logits_np[:-1]):
+            r.metrics.num_stale_drafts += int(stale_np[start : start + r.num_drafts].sum())
+
+    def _accept(self, verified: list[ScheduledRequest], tokens, num_sampled) -> list[StepOutput]:
+        """Append each verified request's accepted drafts and sampled token; roll caches back; finish."""
+        outputs = []
+        now = time.perf_counter()
+        for i, s in enumerate(verified):
+            r = s.req
+            n = int(num_sampled[i])
+            num_accepted = n - 1
+            m = r.metrics
+            nd = int((r.drafts >= 0).sum()) if r.num_drafts else 0
+            if nd:
+                m.num_drafts += 1
+                m.num_draft_tokens += nd
+                m.num_accepted_tokens += num_accepted
+                for j in range(num_accepted):
+                    m.accepted_per_position[j] += 1
+            # Valid K/V: everything up to the last token fed before the drafts, plus accepted drafts.
+            r.num_computed = len(r.token_ids) + num_accepted
+            r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
+            r.drafts = None
+            new, reason = self._append(r, [int(t) for t in tokens[i, :n]])
+            if m.first_token_time is None and new:
+                m.first_token_time = now
+            outputs.append(StepOutput(r, new))
+            if reason is not None:
+                self._finish(r, reason)
+        return outputs
+
+    def _append(self, r: Request, toks: list[int]) -> tuple[list[int], str | None]:
+        """Append tokens up to the first stop condition; return those appended and the finish reason."""
+        p = r.params
+        stops = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            stops |= self.eos_token_ids
+        new = []
+        for t in toks:
+            r.token_ids.append(t)
+            new.append(t)
+            if t in stops:
+                return new, "stop"
+            if len(r.token_ids) - r.num_prompt_tokens >= p.max_tokens or len(r.token_ids) >= self.config.max_model_len:
+                return new, "length"
+        return new, None
+
+    def _draft(self, reqs: list[Request]) -> None:
+        """Give out draft-logits rows by batch position, then draft k tokens for every request."""
+        cache = self.draft_logits
+        slots = np.array([r.slot for r in reqs], dtype=np.int32)
+        cache.assign(torch.from_numpy(slots).to(self.device), slots)
+        drafts = self.proposer.propose(reqs, cache, BatchSampling(reqs, self.device))  # [num_reqs, k]
+        for r, d in zip(reqs, drafts):
+            r.drafts = d

@@ -1,0 +1,88 @@
+"""A request's state as the engine sees it: tokens, cache lengths, pending drafts, metrics."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minispec.sample.random import RequestRandom
+from minispec.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Speculation and timing counters of one request."""
+
+    num_drafts: int = 0  # verifications that had at least one draft
+    num_draft_tokens: int = 0  # drafts verified (placeholders excluded)
+    num_accepted_tokens: int = 0
+    num_stale_drafts: int = 0  # drafts rejected because their draft logits row was taken
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification with drafts: 1 + accepted / drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def as_dict(self, num_generated: int) -> dict:
+        elapsed = (self.finish_time or time.perf_counter()) - self.arrival_time
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_stale_drafts": self.num_stale_drafts,
+            "accepted_per_position": list(self.accepted_per_position),
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens) if self.num_draft_tokens else 0.0,
+            "time_to_first_token_s": (self.first_token_time - self.arrival_time) if self.first_token_time else None,
+            "elapsed_s": elapsed,
+            "tokens_per_s": num_generated / elapsed if elapsed > 0 else 0.0,
+        }
+
+
+@dataclass(slots=True)
+class Request:
+    """One prompt's generation. `slot` is its persistent index (KV caches, draft-logits cache)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    random: RequestRandom
+    arrival: int  # order of arrival, ties in scheduling go to the older request
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    slot: int = -1
+    num_computed: int = 0  # tokens whose K/V are in the target cache
+    num_draft_computed: int = 0  # tokens whose K/V are in the draft cache
+    drafts: np.ndarray | None = None  # [k] drafts awaiting verification, -1 = placeholder
+    last_scheduled_step: int = -1
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
+    error: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens the target has not yet seen (the prompt's rest, or the last sampled token)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def num_drafts(self) -> int:
+        return 0 if self.drafts is None else len(self.drafts)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,142 @@
+"""CLI: python -m minispec.generate — generate with a target (and draft) from the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DEFAULT_PROMPT = "Give me three tips for writing clear technical documentation."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m minispec.generate",
+        description="Generate text with speculative decoding (draft proposes, target verifies).",
+    )
+    p.add_argument("--target", default=None, help="target model: alias, HF dir, .gguf file or hub id "
+                   "(default: smollm2-135m-instruct)")
+    p.add_argument("--draft", default=None, help="draft model (same forms as --target); omit for target-only")
+    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    p.add_argument("--prompt-file", default=None, help="a file of prompts: one per line, or a JSON list of strings")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap prompts in the model's chat template (default: on)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="per-request seed (request i gets seed + i)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--stream", action="store_true", help="print text as tokens are accepted")
+    p.add_argument("--output-json", default=None, metavar="FILE", help="write one object per prompt")
+    return p
+
+
+def read_prompts(args, parser) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        if not os.path.isfile(args.prompt_file):
+            parser.error(f"prompt file not found: {args.prompt_file}")
+        with open(args.prompt_file) as f:
+            text = f.read()
+        if args.prompt_file.endswith(".json"):
+            loaded = json.loads(text)
+            if not isinstance(loaded, list) or not all(isinstance(x, str) for x in loaded):
+                parser.error(f"{args.prompt_file}: expected a JSON list of strings")
+            prompts += loaded
+        else:
+            prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        prompts = [DEFAULT_PROMPT]
+    if any(not p.strip() for p in prompts):
+        parser.error("empty prompt")
+    return prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prompts = read_prompts(args, parser)
+    from minispec.sampling_params import SamplingParams
+
+    try:
+        params = [
+            SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                           seed=None if args.seed is None else args.seed + i)
+            for i in range(len(prompts))
+        ]
+    except ValueError as e:
+        parser.error(str(e))
+
+    from minispec.llm import DEFAULT_DRAFT, DEFAULT_TARGET, LLM, aggregate_metrics
+
+    try:
+        llm = LLM(target=args.target or DEFAULT_TARGET,
+                  draft=args.draft if args.draft is not None else (DEFAULT_DRAFT if args.target is None else None),
+                  num_speculative_tokens=args.num_speculative_tokens, tensor_parallel_size=args.tp,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  dtype=args.dtype, max_model_len=args.max_model_len)
+        for p in prompts:  # reject bad prompts before any work starts
+            ids = llm.encode(p, args.chat)
+            if len(ids) >= llm.engine.config.max_model_len:
+                raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context "
+                                 f"({llm.engine.config.max_model_len} tokens)")
+    except ValueError as e:  # includes ModelLoadError
+        parser.error(str(e))
+
+    from minispec.distributed import get_tp_group
+
+    rank0 = get_tp_group().is_first_rank
+    t0 = time.perf_counter()
+    outputs = [None] * len(prompts)
+    tokens = [[] for _ in prompts]
+    shown, printed = 0, None  # --stream shows prompts in order; later ones wait for their turn
+
+    def show() -> None:
+        nonlocal shown, printed
+        while shown < len(prompts):
+            if printed is None:
+                print(f"=== [{shown}] {prompts[shown]}", flush=True)
+                printed = ""
+            text = llm.decode(tokens[shown])
+            print(text[len(printed):], end="", flush=True)
+            printed = text
+            if outputs[shown] is None:
+                return
+            print("\n", flush=True)
+            shown, printed = shown + 1, None
+
+    for i, new, done in llm.stream(prompts, params, args.chat):
+        tokens[i] += new
+        if done is not None:
+            outputs[i] = done
+        if args.stream and rank0:
+            show()
+    elapsed = time.perf_counter() - t0
+    if rank0:
+        if not args.stream:
+            for i, o in enumerate(outputs):
+                print(f"=== [{i}] {prompts[i]}\n{o.text}\n")
+        agg = aggregate_metrics(outputs)
+        ntok = sum(len(o.token_ids) for o in outputs)
+        spec = (f"; acceptance {agg['acceptance_rate']:.3f}, mean accepted length "
+                f"{agg['mean_accepted_length']:.2f}, stale drafts {agg['num_stale_drafts']}"
+                if llm.num_speculative_tokens else "; target only")
+        print(f"[minispec] {len(outputs)} prompt(s), {ntok} tokens in {elapsed:.2f} s "
+              f"({ntok / elapsed:.1f} tok/s){spec}")
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump([o.as_dict() for o in outputs], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

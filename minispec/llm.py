@@ -1,0 +1,214 @@
+"""The LLM facade: build the engine from model names, generate(), stream(), abort()."""
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from minispec.distributed import get_tp_group, init_distributed
+from minispec.engine.engine import Engine, EngineConfig
+from minispec.engine.model_runner import ModelRunner
+from minispec.engine.request import Request
+from minispec.models.loader import load_model
+from minispec.sampling_params import SamplingParams
+from minispec.spec_decode.proposer import DraftModelProposer
+from minispec.utils import parse_dtype
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_DRAFT = None  # the shipped draft for the default target arrives with the distillation work
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished (or, while streaming, running) request."""
+
+    request_id: str
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    metrics: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "metrics": self.metrics}
+
+
+class LLM:
+    """A target model, an optional draft, and the engine that runs them."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        draft: str | None = DEFAULT_DRAFT,
+        num_speculative_tokens: int = 4,
+        tensor_parallel_size: int = 1,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+        dtype: str | torch.dtype = "float32",
+        max_model_len: int | None = None,
+        seed: int | None = None,
+        device: str | None = None,
+        shard_draft_logits: bool | None = None,
+    ):
+        if draft is not None and not 1 <= num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be in [1, 32], got {num_speculative_tokens}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        tp = init_distributed()
+        if tp.world_size != tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} but the job has {tp.world_size} rank(s); "
+                f"launch with torchrun --nproc-per-node {tensor_parallel_size}"
+            )
+        torch_dtype = parse_dtype(dtype)
+        self.device = torch.device(device) if device else tp.device
+        self.target = load_model(target, dtype=torch_dtype, device=self.device)
+        self.tokenizer = self.target.tokenizer
+        self.draft = None
+        k = num_speculative_tokens if draft is not None else 0
+        max_len = min(max_model_len or 2048, self.target.max_model_len)
+        if draft is not None:
+            self.draft = load_model(draft, dtype=torch_dtype, device=self.device)
+            if self.draft.vocab_size != self.target.vocab_size:
+                raise ValueError(
+                    f"draft vocabulary ({self.draft.vocab_size} tokens, {self.draft.name}) differs from the "
+                    f"target's ({self.target.vocab_size}, {self.target.name}); they must share a tokenizer"
+                )
+            max_len = min(max_len, self.draft.max_model_len)
+        config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_len, k, shard_draft_logits)
+        # Room for k drafts (and the draft's k - 1 fed drafts) past the last real position.
+        kv_len = max_len + k + 1
+        target_runner = ModelRunner(self.target.model, max_num_seqs, kv_len, dtype=torch_dtype, device=self.device)
+        proposer = None
+        if self.draft is not None:
+            draft_runner = ModelRunner(self.draft.model, max_num_seqs, kv_len, dtype=torch_dtype, device=self.device)
+            proposer = DraftModelProposer(draft_runner, k)
+        self.engine = Engine(target_runner, proposer, config, self.target.eos_token_ids, self.target.vocab_size)
+        if seed is None:
+            seed = secrets.randbits(62)
+            if tp.world_size > 1:  # every rank must give unseeded requests the same seed
+                seed = int(tp.broadcast(torch.tensor([seed], dtype=torch.int64)).item())
+        self._rng = np.random.default_rng(seed)
+        self._next_id = 0
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.engine.k
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int], use_chat_template: bool) -> list[int]:
+        """Token ids of a prompt: a string (chat-templated on request) or ids as given."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.target.name} has no tokenizer: give prompts as lists of token ids")
+            if use_chat_template:
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise ValueError(f"{self.target.name} has no chat template; use use_chat_template=False")
+                ids = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+                )
+                if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+                    ids = ids["input_ids"]
+                return list(ids)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or []
+        ids = [int(t) for t in prompt]
+        return ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def add_request(self, prompt, params: SamplingParams, use_chat_template: bool = False,
+                    request_id: str | None = None) -> Request:
+        """Queue one prompt; returns its Request (use .req_id to abort it)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        ids = self.encode(prompt, use_chat_template)
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**62))
+        return self.engine.add_request(request_id, ids, params, seed)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now, freeing its KV cache slot and draft-logits row."""
+        self.engine.abort(request_id)
+
+    def _output(self, req: Request, prompt) -> RequestOutput:
+        toks = req.output_token_ids
+        return RequestOutput(req.req_id, prompt, list(req.prompt_token_ids), list(toks), self.decode(toks),
+                             req.finish_reason, req.metrics.as_dict(len(toks)))
+
+    # ---- generation -----------------------------------------------------------------------
+    def stream(self, prompts, sampling_params=None, use_chat_template: bool = False
+               ) -> Iterator[tuple[int, list[int], RequestOutput | None]]:
+        """Yield (prompt index, new token ids, output once finished else None) as tokens are accepted.
+
+        Closing the generator early aborts the requests still running.
+        """
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        reqs = [self.add_request(p, sp, use_chat_template) for p, sp in zip(prompts, params)]
+        index = {id(r): i for i, r in enumerate(reqs)}
+        try:
+            while any(not r.finished for r in reqs):
+                for out in self.engine.step():
+                    i = index.get(id(out.req))
+                    if i is None:
+                        continue
+                    done = self._output(out.req, prompts[i]) if out.req.finished else None
+                    yield i, out.new_token_ids, done
+        finally:
+            for r in reqs:
+                if not r.finished:
+                    self.engine.abort(r.req_id)
+
+    def generate(self, prompts, sampling_params=None, use_chat_template: bool = False,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generating", unit="req")
+        for i, _, done in self.stream(prompts, sampling_params, use_chat_template):
+            if done is not None:
+                outputs[i] = done
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return outputs
+
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        sp = list(sampling_params)
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
+        return sp
+
+
+def aggregate_metrics(outputs: list[RequestOutput]) -> dict:
+    """Batch totals of the per-request speculation counters."""
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_stale_drafts")
+    tot = {k: sum(o.metrics[k] for o in outputs) for k in keys}
+    k = max((len(o.metrics["accepted_per_position"]) for o in outputs), default=0)
+    tot["accepted_per_position"] = [sum(o.metrics["accepted_per_position"][j] for o in outputs) for j in range(k)]
+    tot["mean_accepted_length"] = 1 + tot["num_accepted_tokens"] / tot["num_drafts"] if tot["num_drafts"] else 1.0
+    tot["acceptance_rate"] = tot["num_accepted_tokens"] / tot["num_draft_tokens"] if tot["num_draft_tokens"] else 0.0
+    return tot

@@ -1,0 +1,45 @@
+"""Per-request sampling settings and their validation."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request samples: temperature, then top-k, then top-p (transformers' warpers).
+
+    temperature 0 means greedy. A seed makes the request's tokens independent of the batch it
+    runs in (and of the TP rank that verifies it).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError (one line, naming the field) on settings that make no sense."""
+        if not self.temperature >= 0.0 or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature == float("inf"):
+            raise ValueError("temperature must be finite")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,84 @@
+"""Proposers: anything that drafts k tokens per request and caches the draft logits it drew them from."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from minispec.engine.model_runner import ModelRunner
+from minispec.engine.request import Request
+from minispec.sample.sampler import probs_from_logits
+from minispec.spec_decode.draft_logits import DraftLogitsCache
+
+
+class Proposer(Protocol):
+    """Drafts for a batch: returns [num_reqs, k] draft tokens (-1 = no draft) and writes each
+    draft's pre-temperature logits to the cache rows of the requests this rank owns."""
+
+    k: int
+
+    def propose(self, reqs: list[Request], cache: DraftLogitsCache, sampling: "BatchSampling") -> np.ndarray: ...
+
+    def free(self, req: Request) -> None: ...
+
+
+class BatchSampling:
+    """The batch's sampling settings as device tensors, built once per step."""
+
+    __slots__ = ("temperature", "top_k", "top_p", "greedy")
+
+    def __init__(self, reqs: list[Request], device: torch.device):
+        self.temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=device)
+        self.top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64, device=device)
+        self.top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=device)
+        self.greedy = all(r.params.greedy for r in reqs)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Exact draw from each row of probs with one uniform per row: first token whose CDF exceeds u."""
+    cdf = probs.cumsum(dim=-1)  # [N, V]
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return tok.clamp_(max=probs.shape[-1] - 1)
+
+
+class DraftModelProposer:
+    """A smaller causal LM drafts k tokens autoregressively, one batched forward per position."""
+
+    def __init__(self, runner: ModelRunner, k: int):
+        self.runner = runner
+        self.k = k
+
+    def propose(self, reqs: list[Request], cache: DraftLogitsCache, sampling: BatchSampling) -> np.ndarray:
+        device = self.runner.device
+        slots = [r.slot for r in reqs]
+        rows = cache.rows_of(torch.tensor(slots, dtype=torch.int64, device=device))  # [num_reqs]
+        mine = rows >= 0
+        drafts = np.empty((len(reqs), self.k), dtype=np.int64)  # [num_reqs, k]
+        # Step 0 catches the draft cache up on everything it has not seen (prompt, accepted tokens, bonus).
+        starts = [r.num_draft_computed for r in reqs]
+        queries = [r.token_ids[r.num_draft_computed :] for r in reqs]
+        if sampling.greedy:
+            uniforms = None
+        else:
+            from minispec.sample.random import uniforms as draw_uniforms
+
+            uniforms = draw_uniforms([r.random.draft for r in reqs], self.k).to(device)  # [num_reqs, k]
+        for j in range(self.k):
+            logits = self.runner.forward(slots, starts, queries, [1] * len(reqs))  # [num_reqs, V]
+            cache.values[rows[mine], j] = logits[mine].to(cache.values.dtype)
+            probs = probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            if uniforms is None:
+                tok = probs.argmax(dim=-1)
+            else:
+                tok = sample_inverse_cdf(probs, uniforms[:, j])
+            drafts[:, j] = tok.cpu().numpy()
+            starts = [s + len(q) for s, q in zip(starts, queries)]
+            queries = [[int(t)] for t in drafts[:, j]]
+        for r in reqs:
+            # The draft cache now holds token_ids and d1..d(k-1); dk was never fed.
+            r.num_draft_computed = len(r.token_ids) + self.k - 1
+        return drafts
+
+    def free(self, req: Request) -> None:
+        req.num_draft_computed = 0

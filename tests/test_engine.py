@@ -1,0 +1,155 @@
+"""End-to-end engine tests on tiny random models: greedy equals transformers, batching, skips, seeds."""
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from minispec import LLM, SamplingParams
+from tests.utils import make_tiny_model_dir
+
+PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 9, 10, 11, 12, 13], [77], list(range(30, 52))]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("target")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    # A different random model over the same vocabulary: a poor but valid draft.
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("draft")), seed=1, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(target_dir):
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+    def run(prompt, n):
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                             min_new_tokens=n, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    return run
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_target_only_greedy_equals_transformers(target_dir, hf_greedy):
+    llm = LLM(target=target_dir, max_num_seqs=4)
+    outs = llm.generate(PROMPTS, GREEDY)
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == hf_greedy(p, 24)
+        assert o.finish_reason == "length"
+        assert o.metrics["accepted_per_position"] == []
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
+def test_speculative_greedy_equals_transformers(target_dir, draft_dir, hf_greedy, k):
+    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=k, max_num_seqs=4)
+    outs = llm.generate(PROMPTS, GREEDY)
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == hf_greedy(p, 24)
+        m = o.metrics
+        assert len(m["accepted_per_position"]) == k
+        assert m["num_accepted_tokens"] <= m["num_draft_tokens"] == m["num_drafts"] * k
+        assert m["mean_accepted_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+
+
+def test_target_as_own_draft_accepts_everything(target_dir, hf_greedy):
+    llm = LLM(target=target_dir, draft=target_dir, num_speculative_tokens=3, max_num_seqs=4)
+    outs = llm.generate(PROMPTS, GREEDY)
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == hf_greedy(p, 24)
+        assert o.metrics["acceptance_rate"] == 1.0
+
+
+def test_mixed_batch_equals_each_alone_and_tight_budget(target_dir, draft_dir):
+    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=2, max_num_seqs=4)
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == alone
+    # A budget of 5 tokens a step: prompts are chunked, decodes (3 tokens) are skipped in turn.
+    tight = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=2, max_num_seqs=4,
+                max_num_batched_tokens=5)
+    outs = tight.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == alone
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_stale_drafts_are_rejected_and_counted(target_dir, hf_greedy):
+    # The target as its own draft accepts every fresh draft; a budget of one decode per step
+    # (1 + k tokens) makes requests take turns, so each takes the row of the one skipped before.
+    k = 3
+    llm = LLM(target=target_dir, draft=target_dir, num_speculative_tokens=k, max_num_seqs=2,
+              max_num_batched_tokens=k + 1, shard_draft_logits=True)
+    prompts = PROMPTS[:2]
+    outs = llm.generate(prompts, GREEDY)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(p, 24)
+    stale = sum(o.metrics["num_stale_drafts"] for o in outs)
+    assert stale > 0
+    # A stale draft is never accepted: every draft that was not stale was accepted (own draft).
+    for o in outs:
+        m = o.metrics
+        assert m["num_accepted_tokens"] <= m["num_draft_tokens"] - m["num_stale_drafts"]
+    # The same run with a replicated cache has no stale drafts and accepts everything.
+    rep = LLM(target=target_dir, draft=target_dir, num_speculative_tokens=k, max_num_seqs=2,
+              max_num_batched_tokens=k + 1, shard_draft_logits=False)
+    outs_rep = rep.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs_rep] == [o.token_ids for o in outs]
+    assert all(o.metrics["num_stale_drafts"] == 0 and o.metrics["acceptance_rate"] == 1.0 for o in outs_rep)
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_seeded_sampling_independent_of_batch(target_dir, draft_dir, draft):
+    kw = dict(draft=draft_dir, num_speculative_tokens=3) if draft else {}
+    llm = LLM(target=target_dir, max_num_seqs=4, **kw)
+    sp = [SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=20, seed=1000 + i, ignore_eos=True)
+          for i in range(len(PROMPTS))]
+    together = [o.token_ids for o in llm.generate(PROMPTS, sp)]
+    alone = [llm.generate([p], s)[0].token_ids for p, s in zip(PROMPTS, sp)]
+    assert together == alone
+    again = [o.token_ids for o in llm.generate(PROMPTS[::-1], sp[::-1])][::-1]
+    assert again == together
+    other_seed = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.9, max_tokens=20, seed=7, ignore_eos=True))
+    assert other_seed[0].token_ids != together[0]
+
+
+def test_abort_frees_slot(target_dir, draft_dir):
+    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=2, max_num_seqs=2)
+    gen = llm.stream(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    next(gen)
+    gen.close()  # cancelling the stream aborts both requests
+    assert not llm.engine.has_unfinished()
+    assert len(llm.engine.scheduler.free_slots) == 2
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
+
+
+def test_stop_tokens_and_max_tokens(target_dir):
+    llm = LLM(target=target_dir, max_num_seqs=2)
+    free = llm.generate([PROMPTS[0]], GREEDY)[0].token_ids
+    stop_at = free[5]
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at],
+                                                    ignore_eos=True))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free[: free.index(stop_at) + 1]
+
+
+def test_bad_requests(target_dir):
+    llm = LLM(target=target_dir, max_num_seqs=2, max_model_len=64)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 10_000]], GREEDY)
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([list(range(64))], GREEDY)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["hello"], GREEDY)
+    # prompt + max_tokens beyond the context stops with "length"
+    out = llm.generate([list(range(60))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    for bad in (dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-1)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
