@@ -1,0 +1,48 @@
+"""Per-request seeded random streams, so a request's draws never depend on the batch it runs in."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+DRAFT_STREAM = 0
+VERIFY_STREAM = 1
+
+
+def _stream_seed(seed: int, stream: int) -> int:
+    """A well-mixed 63-bit seed for one stream of a request seed (SeedSequence hashing)."""
+    state = np.random.SeedSequence([seed & (2**64 - 1), stream]).generate_state(1, dtype=np.uint64)
+    return int(state[0]) & (2**63 - 1)
+
+
+class RequestRandom:
+    """Two independent CPU generators from one seed: `draft` (draft sampling) and `verify` (rejection sampler)."""
+
+    def __init__(self, seed: int):
+        self.seed = int(seed)
+        self.draft = torch.Generator().manual_seed(_stream_seed(self.seed, DRAFT_STREAM))
+        self.verify = torch.Generator().manual_seed(_stream_seed(self.seed, VERIFY_STREAM))
+
+    def __repr__(self) -> str:
+        return f"RequestRandom(seed={self.seed})"
+
+
+def uniforms(gens: Sequence[torch.Generator], n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """U[0, 1) float32 [len(gens), n], row i drawn from gens[i] alone, moved to device.
+
+    Each generator advances by exactly n draws: keep n independent of the batch (e.g. the number of
+    speculative tokens) for a request's later draws not to depend on who it was batched with.
+    """
+    out = torch.empty(len(gens), n, dtype=torch.float32)  # [num_reqs, n]
+    for i, g in enumerate(gens):
+        out[i] = torch.rand(n, generator=g)
+    return out.to(device) if device is not None else out
+
+
+def exponentials(gens: Sequence[torch.Generator], vocab: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Exp(1) float32 [len(gens), vocab], row i drawn from gens[i] alone, moved to device."""
+    out = torch.empty(len(gens), vocab, dtype=torch.float32)  # [num_reqs, vocab]
+    for i, g in enumerate(gens):
+        out[i].exponential_(generator=g)
+    return out.to(device) if device is not None else out

@@ -1,0 +1,77 @@
+"""Per-row logit warping (temperature, top-k, top-p), probabilities and exact sampling."""
+from __future__ import annotations
+
+import torch
+
+# Exp(1) noise is clamped into this range so probs / noise never divides by 0 or by inf.
+NOISE_MIN = 1e-30
+NOISE_MAX = 1e30
+
+
+def _sanitize(logits: torch.Tensor) -> torch.Tensor:
+    """float32 copy with NaN -> -inf and +inf -> the largest float32 (so softmax never sees inf - inf)."""
+    x = logits.float()
+    x = x.masked_fill(x.isnan(), float("-inf"))
+    return x.clamp(max=torch.finfo(torch.float32).max)
+
+
+def warp_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Temperature, then top-k, then top-p per row (transformers' warpers); masked entries are -inf.
+
+    temperature 0 rows (greedy) are not divided; top_k <= 0 or >= V is off (ties with the k-th value are
+    kept); top_p >= 1 is off (at least one token is always kept). NaN logits become -inf and +inf the
+    largest float32, so the result never holds NaN or +inf.
+    """
+    vocab = logits.shape[-1]
+    x = logits.float()
+    greedy = temperature == 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    x = _sanitize(x / t.unsqueeze(1))  # [N, V]
+    top_k = top_k.to(device=x.device, dtype=torch.int64)
+    top_p = top_p.to(device=x.device, dtype=torch.float32)
+    use_k = (top_k > 0) & (top_k < vocab)
+    use_p = top_p < 1
+    rows = (use_k | use_p).nonzero().squeeze(1)  # [M]
+    if rows.numel() == 0:
+        return x
+    sub = x[rows]  # [M, V]
+    k = top_k[rows]
+    sorted_vals, sorted_idx = torch.sort(sub, dim=-1, stable=True)  # ascending, [M, V]
+    # top-k: drop everything below the k-th largest value (its ties stay).
+    kth = sorted_vals.gather(1, (vocab - k.clamp(1, vocab)).unsqueeze(1))  # [M, 1]
+    kth = torch.where(use_k[rows].unsqueeze(1), kth, torch.full_like(kth, float("-inf")))
+    sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, float("-inf"))
+    # top-p: drop the low tail whose cumulative probability stays <= 1 - top_p; keep the largest token.
+    cum = sorted_vals.softmax(dim=-1).cumsum(dim=-1)  # [M, V]
+    threshold = (1 - top_p[rows].double()).float()  # as transformers: 1 - p in float64, compared in float32
+    drop = (cum <= threshold.unsqueeze(1)) & use_p[rows].unsqueeze(1)
+    drop[:, -1] = False
+    sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
+    x[rows] = sub.scatter(1, sorted_idx, sorted_vals)
+    return x
+
+
+def probs_from_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Softmax of the warped logits, float32 [N, V]; greedy rows (temperature 0) are one-hot at the argmax.
+
+    NaN logits count as -inf; a row without any finite logit is one-hot at token 0.
+    """
+    greedy = (temperature == 0).to(logits.device)  # [N]
+    # Greedy rows skip top-k/top-p: both always keep the argmax.
+    top_k = torch.where(greedy, torch.zeros_like(top_k), top_k)
+    top_p = torch.where(greedy, torch.ones_like(top_p), top_p)
+    x = warp_logits(logits, temperature, top_k, top_p)  # [N, V]
+    probs = x.softmax(dim=-1)  # [N, V]
+    finite = logits.isfinite().any(dim=-1)  # [N]
+    argmax = torch.where(finite, _sanitize(logits).argmax(dim=-1), 0)  # [N]
+    one_hot = (greedy | ~finite).unsqueeze(1)  # [N, 1]
+    return torch.where(one_hot, torch.zeros_like(probs).scatter_(1, argmax.unsqueeze(1), 1.0), probs)
+
+
+def sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Exact draw per row: argmax(probs / noise) with noise ~ Exp(1) (the exponential race), int64 [N]."""
+    return (probs / noise.clamp(NOISE_MIN, NOISE_MAX)).argmax(dim=-1)

@@ -1,0 +1,184 @@
+"""Lossless rejection sampling of draft tokens against the target (Triton kernel + torch reference).
+
+Request r owns logit rows cu[r]:cu[r+1]: one row per draft (row j verifies draft_tokens[j]) and a
+last bonus row. p / q are the target / draft probabilities after the request's temperature, top-k
+and top-p (greedy: one-hot argmax). Draft i is accepted iff it is valid (not stale, in [0, V)) and
+u_i * q_i[d] < p_i[d], i.e. with probability min(1, p_i[d] / q_i[d]). The first rejected draft is
+replaced by a draw from norm(max(0, p_i - q_i)), or from p_i when the draft was invalid or the
+residual has no mass; if every draft is accepted, a bonus token is drawn from the last row's p.
+Draws use the exponential race argmax(dist / noise), so the residual is never normalised.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minispec.sample.sampler import NOISE_MAX, NOISE_MIN, probs_from_logits, sample
+from minispec.utils import use_triton as _use_triton
+
+
+def _probs(target_logits, draft_logits, cu_num_logits, temperature, top_k, top_p):
+    """Per-row target and draft probabilities [num_logits, V] under each row's request settings."""
+    num_logits = target_logits.shape[0]
+    num_rows = cu_num_logits[1:] - cu_num_logits[:-1]  # [num_reqs]
+    t, k, p = (torch.repeat_interleave(x, num_rows, output_size=num_logits) for x in (temperature, top_k, top_p))
+    return probs_from_logits(target_logits, t, k, p), probs_from_logits(draft_logits, t, k, p)
+
+
+def _valid_drafts(draft_tokens, stale, cu_num_logits, vocab):
+    """[num_logits] bool: rows holding a verifiable draft (not bonus, not stale, id in [0, V))."""
+    num_logits = draft_tokens.shape[0]
+    bonus = torch.zeros(num_logits + 1, dtype=torch.bool, device=draft_tokens.device)
+    bonus[cu_num_logits[1:] - 1] = True
+    valid = (draft_tokens >= 0) & (draft_tokens < vocab) & ~bonus[:num_logits]
+    if stale is not None:
+        valid &= ~stale.bool()
+    return valid
+
+
+def rejection_terms(target_logits, draft_logits, draft_tokens, stale, cu_num_logits, temperature, top_k, top_p):
+    """The exact per-row terms: accept_prob [num_logits] and final_dist [num_logits, V] (row's draw on rejection).
+
+    Bonus and invalid rows have accept_prob 0 and final_dist p.
+    """
+    p, q = _probs(target_logits, draft_logits, cu_num_logits, temperature, top_k, top_p)
+    vocab = p.shape[-1]
+    valid = _valid_drafts(draft_tokens, stale, cu_num_logits, vocab)  # [num_logits]
+    d = torch.where(valid, draft_tokens, 0).unsqueeze(1)
+    pd, qd = p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1)  # [num_logits]
+    ratio = torch.where(qd > 0, (pd / qd.clamp_min(1e-38)).clamp(max=1), (pd > 0).float())
+    accept_prob = torch.where(valid, ratio, 0.0)
+    resid = torch.where(valid.unsqueeze(1), (p - q).clamp_min(0), 0.0)  # [num_logits, V]
+    mass = resid.sum(dim=-1, keepdim=True)
+    final_dist = torch.where(mass > 0, resid / mass.clamp_min(1e-38), p)
+    return accept_prob, final_dist
+
+
+def rejection_sample_ref(p, q, draft_tokens, stale, cu_num_logits, uniforms, noise):
+    """Torch reference on probabilities: tokens [num_reqs, K + 1] (-1 padded), num_sampled [num_reqs]."""
+    num_logits, vocab = p.shape
+    num_reqs, max_drafts = uniforms.shape
+    device = p.device
+    num_rows = cu_num_logits[1:] - cu_num_logits[:-1]  # [num_reqs]
+    valid = _valid_drafts(draft_tokens, stale, cu_num_logits, vocab)  # [num_logits]
+    pos = torch.arange(max_drafts + 1, device=device)
+    rows = (cu_num_logits[:-1].unsqueeze(1) + pos).clamp(max=max(num_logits - 1, 0))  # [num_reqs, K + 1]
+    is_draft = pos < (num_rows - 1).unsqueeze(1)  # [num_reqs, K + 1]
+    ok = valid[rows] & is_draft
+    d = torch.where(ok, draft_tokens[rows], 0)  # [num_reqs, K + 1]
+    pd, qd = p[rows, d], q[rows, d]
+    u = torch.cat([uniforms.float(), uniforms.new_ones(num_reqs, 1, dtype=torch.float32)], dim=1)
+    accepted = ok & (u * qd < pd)  # [num_reqs, K + 1]
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [num_reqs]
+    final_row = cu_num_logits[:-1] + num_accepted  # [num_reqs]
+    final_ok = ok.gather(1, num_accepted.unsqueeze(1))  # [num_reqs, 1]
+    pf = p[final_row]  # [num_reqs, V]
+    resid = torch.where(final_ok, (pf - q[final_row]).clamp_min(0), 0.0)
+    dist = torch.where((resid > 0).any(dim=1, keepdim=True), resid, pf)
+    final = sample(dist, noise.float())  # [num_reqs]
+    tokens = torch.where(pos < num_accepted.unsqueeze(1), d, -1)  # [num_reqs, K + 1]
+    tokens.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
+    return tokens, num_accepted + 1
+
+
+@triton.jit
+def _rejection_sample_kernel(
+    p_ptr, q_ptr, draft_ptr, stale_ptr, cu_ptr, u_ptr, noise_ptr, tokens_ptr, num_sampled_ptr,
+    V, K, noise_min, noise_max, HAS_STALE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One program per request: walk its drafts, then a blocked exponential-race argmax for the last token."""
+    r = tl.program_id(0).to(tl.int64)
+    start = tl.load(cu_ptr + r)
+    end = tl.load(cu_ptr + r + 1)
+    num_drafts = end - start - 1
+    num_accepted = tl.zeros([], dtype=tl.int64)
+    rejected = tl.zeros([], dtype=tl.int32)
+    final_ok = tl.zeros([], dtype=tl.int32)
+    for i in range(0, num_drafts):
+        j = start + i
+        d = tl.load(draft_ptr + j)
+        ok = (d >= 0) & (d < V)
+        if HAS_STALE:
+            ok = ok & (tl.load(stale_ptr + j) == 0)
+        d_safe = tl.where(ok, d, 0)
+        pd = tl.load(p_ptr + j * V + d_safe)
+        qd = tl.load(q_ptr + j * V + d_safe)
+        u = tl.load(u_ptr + r * K + i)
+        acc = ok & (u * qd < pd)
+        live = rejected == 0
+        tl.store(tokens_ptr + r * (K + 1) + i, d, mask=live & acc)
+        num_accepted += (live & acc).to(tl.int64)
+        final_ok = tl.where(live & ~acc, ok.to(tl.int32), final_ok)
+        rejected = tl.where(acc, rejected, 1)
+    row = start + num_accepted
+    best_r = tl.full([], -1.0, tl.float32)
+    best_p = tl.full([], -1.0, tl.float32)
+    idx_r = tl.zeros([], dtype=tl.int32)
+    idx_p = tl.zeros([], dtype=tl.int32)
+    has_resid = tl.zeros([], dtype=tl.int32)
+    for off in range(0, V, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V)
+        m = cols < V
+        pv = tl.load(p_ptr + row * V + cols, mask=m, other=0.0)
+        qv = tl.load(q_ptr + row * V + cols, mask=m, other=0.0)
+        rv = tl.where(final_ok != 0, tl.maximum(pv - qv, 0.0), 0.0)
+        nz = tl.load(noise_ptr + r * V + cols, mask=m, other=1.0)
+        nz = tl.minimum(tl.maximum(nz, noise_min), noise_max)
+        # div_rn: IEEE-rounded like torch (plain `/` is approximate on NVIDIA GPUs)
+        sr = tl.where(m, tl.math.div_rn(rv, nz), -1.0)
+        sp = tl.where(m, tl.math.div_rn(pv, nz), -1.0)
+        has_resid = has_resid | (tl.max(rv, axis=0) > 0).to(tl.int32)
+        mr = tl.max(sr, axis=0)
+        ir = tl.min(tl.where(sr == mr, cols, V), axis=0)
+        mp = tl.max(sp, axis=0)
+        ip = tl.min(tl.where(sp == mp, cols, V), axis=0)
+        idx_r = tl.where(mr > best_r, ir, idx_r)
+        best_r = tl.maximum(mr, best_r)
+        idx_p = tl.where(mp > best_p, ip, idx_p)
+        best_p = tl.maximum(mp, best_p)
+    final = tl.where(has_resid != 0, idx_r, idx_p)
+    tl.store(tokens_ptr + r * (K + 1) + num_accepted, final.to(tl.int64))
+    tl.store(num_sampled_ptr + r, num_accepted + 1)
+
+
+def rejection_sample_triton(p, q, draft_tokens, stale, cu_num_logits, uniforms, noise, block_v: int = 1024):
+    """Triton kernel on probabilities; same outputs as rejection_sample_ref."""
+    num_logits, vocab = p.shape
+    num_reqs, max_drafts = uniforms.shape
+    tokens = torch.full((num_reqs, max_drafts + 1), -1, dtype=torch.int64, device=p.device)  # [num_reqs, K + 1]
+    num_sampled = torch.empty(num_reqs, dtype=torch.int64, device=p.device)  # [num_reqs]
+    if num_reqs == 0:
+        return tokens, num_sampled
+    stale_arg = stale.contiguous().view(torch.uint8) if stale is not None else draft_tokens
+    _rejection_sample_kernel[(num_reqs,)](
+        p.contiguous(), q.contiguous(), draft_tokens.contiguous().long(), stale_arg,
+        cu_num_logits.contiguous().long(), uniforms.contiguous().float(), noise.contiguous().float(),
+        tokens, num_sampled, vocab, max_drafts, NOISE_MIN, NOISE_MAX,
+        HAS_STALE=stale is not None, BLOCK_V=min(block_v, triton.next_power_of_2(vocab)),
+    )
+    return tokens, num_sampled
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    stale: torch.Tensor | None,
+    cu_num_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    noise: torch.Tensor,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify drafts: tokens [num_reqs, K + 1] (accepted drafts then one drawn token, -1 padded), num_sampled [num_reqs].
+
+    K = uniforms.shape[1] must be at least every request's number of drafts (rows - 1).
+    """
+    if use_triton is None:
+        use_triton = _use_triton(target_logits)
+    p, q = _probs(target_logits, draft_logits, cu_num_logits, temperature, top_k, top_p)
+    fn = rejection_sample_triton if use_triton else rejection_sample_ref
+    return fn(p, q, draft_tokens, stale, cu_num_logits, uniforms, noise)

@@ -1,0 +1,188 @@
+"""Logit warping vs transformers' warpers, probabilities, exact sampling and seeded random streams."""
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from minispec.sample.random import RequestRandom, exponentials, uniforms
+from minispec.sample.sampler import probs_from_logits, sample, warp_logits
+
+
+def hf_warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' warpers in generate()'s order, each added only when it is on."""
+    x = row.unsqueeze(0).float()
+    if temperature != 0:
+        x = TemperatureLogitsWarper(temperature)(None, x)
+    if top_k != 0:
+        x = TopKLogitsWarper(top_k)(None, x)
+    if top_p < 1.0:
+        x = TopPLogitsWarper(top_p)(None, x)
+    return x[0]
+
+
+def chi2_critical(df: int, z: float = 3.719) -> float:
+    """Upper chi-square quantile (z = 3.719: p = 1e-4) by the Wilson-Hilferty approximation."""
+    c = 2.0 / (9.0 * df)
+    return df * (1.0 - c + z * math.sqrt(c)) ** 3
+
+
+def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic of counts against probs over the outcomes with positive probability."""
+    n = counts.sum().item()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "sampled a zero-probability outcome"
+    expected = probs[support].double() * n
+    return (((counts[support].double() - expected) ** 2) / expected).sum().item(), int(support.sum()) - 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_warp_logits_matches_transformers(seed):
+    g = torch.Generator().manual_seed(seed)
+    num_rows, vocab = 96, 50
+    logits = torch.randn(num_rows, vocab, generator=g) * 3
+    temps = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.5])
+    ks = torch.tensor([0, 1, 2, 5, 20, 50, 60])
+    ps = torch.tensor([1.0, 0.95, 0.9, 0.5, 0.1, 0.0])
+    temperature = temps[torch.randint(len(temps), (num_rows,), generator=g)]
+    top_k = ks[torch.randint(len(ks), (num_rows,), generator=g)]
+    top_p = ps[torch.randint(len(ps), (num_rows,), generator=g)]
+    out = warp_logits(logits, temperature, top_k, top_p)
+    assert out.dtype == torch.float32 and out.shape == logits.shape
+    for i in range(num_rows):
+        ref = hf_warp(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]))
+        assert torch.equal(out[i], ref), (i, float(temperature[i]), int(top_k[i]), float(top_p[i]))
+
+
+def test_warp_top_k_keeps_ties():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 0.0], [5.0, 5.0, 5.0, 1.0, 1.0, 1.0]])
+    top_k = torch.tensor([2, 1])
+    out = warp_logits(logits, torch.ones(2), top_k, torch.ones(2))
+    for i in range(2):
+        assert torch.equal(out[i], hf_warp(logits[i], 1.0, int(top_k[i]), 1.0))
+    assert torch.isfinite(out[0]).tolist() == [False, True, False, True, False, False]
+    assert torch.isfinite(out[1]).tolist() == [True, True, True, False, False, False]
+
+
+def test_warp_logits_no_sort_rows_only_scaled():
+    logits = torch.randn(4, 10)
+    temperature = torch.tensor([0.0, 0.5, 1.0, 2.0])
+    out = warp_logits(logits, temperature, torch.tensor([0, 0, 10, 99]), torch.ones(4))
+    expected = logits / torch.tensor([1.0, 0.5, 1.0, 2.0]).unsqueeze(1)
+    assert torch.equal(out, expected)
+
+
+def test_warp_logits_bf16_input():
+    logits = torch.randn(8, 30).bfloat16()
+    out = warp_logits(logits, torch.full((8,), 0.8), torch.full((8,), 7), torch.full((8,), 0.9))
+    assert out.dtype == torch.float32
+    for i in range(8):
+        assert torch.equal(out[i], hf_warp(logits[i].float(), 0.8, 7, float(torch.tensor(0.9))))
+
+
+def test_probs_from_logits_sampled_and_greedy():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 40, generator=g)
+    temperature = torch.tensor([1.0, 0.0, 0.5, 0.0, 2.0, 1.0])
+    top_k = torch.tensor([0, 5, 10, 0, 3, 0])
+    top_p = torch.tensor([1.0, 0.5, 0.9, 1.0, 1.0, 0.3])
+    probs = probs_from_logits(logits, temperature, top_k, top_p)
+    assert probs.dtype == torch.float32
+    torch.testing.assert_close(probs.sum(-1), torch.ones(6))
+    for i in range(6):
+        if temperature[i] == 0:
+            expected = torch.zeros(40)
+            expected[logits[i].argmax()] = 1.0
+        else:
+            expected = hf_warp(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i])).softmax(-1)
+        assert torch.equal(probs[i], expected), i
+
+
+def test_probs_from_logits_nan_inf_rows():
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([
+        [nan, 1.0, 2.0, nan],      # NaN counts as -inf
+        [nan, nan, nan, nan],      # nothing finite: token 0
+        [-inf, -inf, -inf, -inf],  # nothing finite: token 0
+        [1.0, inf, 0.0, inf],      # +inf entries share the mass
+        [nan, -inf, inf, inf],     # no finite entry: token 0
+        [nan, 3.0, nan, 5.0],      # greedy ignores NaN
+        [-inf, -inf, 2.0, -inf],   # one finite entry
+    ])
+    temperature = torch.tensor([1.0, 1.0, 0.0, 0.7, 1.0, 0.0, 0.5])
+    top_k = torch.tensor([0, 2, 0, 0, 0, 0, 1])
+    top_p = torch.tensor([1.0, 0.5, 1.0, 0.9, 1.0, 1.0, 0.5])
+    probs = probs_from_logits(logits, temperature, top_k, top_p)
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(7))
+    e = torch.tensor(1.0).exp()
+    torch.testing.assert_close(probs[0], torch.tensor([0.0, 1 / (1 + e), e / (1 + e), 0.0]))
+    for i in (1, 2, 4):
+        assert probs[i].tolist() == [1.0, 0.0, 0.0, 0.0], i
+    # top-p 0.9 over two equal +inf entries keeps both
+    assert probs[3].tolist() == [0.0, 0.5, 0.0, 0.5]
+    assert probs[5].tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert probs[6].tolist() == [0.0, 0.0, 1.0, 0.0]
+    tok = sample(probs, torch.empty(7, 4).exponential_())
+    assert ((tok >= 0) & (tok < 4)).all()
+
+
+def test_sample_matches_distribution():
+    g = torch.Generator().manual_seed(7)
+    vocab, n = 8, 40000
+    logits = torch.randn(1, vocab, generator=g) * 1.5
+    probs = probs_from_logits(logits, torch.tensor([0.8]), torch.tensor([6]), torch.tensor([0.95]))[0]
+    assert (probs == 0).any()  # top-k / top-p removed something
+    noise = torch.empty(n, vocab).exponential_(generator=g)
+    tok = sample(probs.expand(n, vocab), noise)
+    stat, df = chi2_stat(torch.bincount(tok, minlength=vocab), probs)
+    assert stat < chi2_critical(df), stat
+
+
+def test_sample_detects_wrong_distribution():
+    """The chi-square check has power: counts from a different distribution fail it."""
+    g = torch.Generator().manual_seed(8)
+    vocab, n = 8, 40000
+    probs = torch.softmax(torch.randn(vocab, generator=g), -1)
+    other = torch.softmax(torch.log(probs) + 0.1 * torch.randn(vocab, generator=g), -1)
+    tok = sample(other.expand(n, vocab), torch.empty(n, vocab).exponential_(generator=g))
+    stat, df = chi2_stat(torch.bincount(tok, minlength=vocab), probs)
+    assert stat > chi2_critical(df)
+
+
+def test_sample_greedy_ignores_noise():
+    logits = torch.randn(5, 30)
+    probs = probs_from_logits(logits, torch.zeros(5), torch.zeros(5, dtype=torch.int64), torch.ones(5))
+    for noise in (torch.empty(5, 30).exponential_(), torch.zeros(5, 30), torch.full((5, 30), float("inf"))):
+        assert torch.equal(sample(probs, noise), logits.argmax(-1))
+
+
+def test_request_random_reproducible_and_independent_streams():
+    a, b = RequestRandom(1234), RequestRandom(1234)
+    assert torch.equal(uniforms([a.draft], 16), uniforms([b.draft], 16))
+    assert torch.equal(exponentials([a.verify], 100), exponentials([b.verify], 100))
+    c = RequestRandom(1234)
+    assert not torch.equal(uniforms([c.draft], 16), uniforms([c.verify], 16))
+    assert not torch.equal(uniforms([RequestRandom(1).verify], 16), uniforms([RequestRandom(2).verify], 16))
+    # draws on the draft stream do not move the verify stream
+    d, e = RequestRandom(99), RequestRandom(99)
+    uniforms([d.draft], 5)
+    assert torch.equal(uniforms([d.verify], 4), uniforms([e.verify], 4))
+
+
+def test_request_random_independent_of_batch():
+    seeds = [5, 17, -3, 2**40]
+    alone = []
+    for s in seeds:
+        r = RequestRandom(s)
+        alone.append((uniforms([r.verify], 3)[0], exponentials([r.verify], 20)[0]))
+    for order in ([0, 1, 2, 3], [3, 1], [2, 0, 3]):
+        rs = [RequestRandom(seeds[i]) for i in order]
+        u = uniforms([r.verify for r in rs], 3)
+        x = exponentials([r.verify for r in rs], 20, device="cpu")
+        assert u.shape == (len(order), 3) and x.shape == (len(order), 20)
+        assert u.dtype == x.dtype == torch.float32
+        for row, i in enumerate(order):
+            assert torch.equal(u[row], alone[i][0]) and torch.equal(x[row], alone[i][1])
+    assert (x > 0).all() and ((u >= 0) & (u < 1)).all()
+    assert uniforms([], 4).shape == (0, 4) and uniforms([RequestRandom(0).verify], 0).shape == (1, 0)
