@@ -14,6 +14,7 @@ from minispec.engine.model_runner import ModelRunner
 from minispec.engine.request import Request
 from minispec.models.loader import load_model
 from minispec.sampling_params import SamplingParams
+from minispec.spec_decode.ngram import NgramProposer
 from minispec.spec_decode.proposer import DraftModelProposer
 from minispec.utils import parse_dtype
 
@@ -39,7 +40,11 @@ class RequestOutput:
 
 
 class LLM:
-    """A target model, an optional draft, and the engine that runs them."""
+    """A target model, an optional proposer, and the engine that runs them.
+
+    draft: None (target only), "ngram" (prompt lookup with n-gram sizes ngram_n = (min_n, max_n)),
+    or a draft model spec (alias, HF directory, .gguf file, hub id) sharing the target's vocabulary.
+    """
 
     def __init__(
         self,
@@ -54,6 +59,7 @@ class LLM:
         seed: int | None = None,
         device: str | None = None,
         shard_draft_logits: bool | None = None,
+        ngram_n: tuple[int, int] = (1, 3),
     ):
         if draft is not None and not 1 <= num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be in [1, 32], got {num_speculative_tokens}")
@@ -72,7 +78,7 @@ class LLM:
         self.draft = None
         k = num_speculative_tokens if draft is not None else 0
         max_len = min(max_model_len or 2048, self.target.max_model_len)
-        if draft is not None:
+        if draft is not None and draft != "ngram":
             self.draft = load_model(draft, dtype=torch_dtype, device=self.device)
             if self.draft.vocab_size != self.target.vocab_size:
                 raise ValueError(
@@ -85,7 +91,9 @@ class LLM:
         kv_len = max_len + k + 1
         target_runner = ModelRunner(self.target.model, max_num_seqs, kv_len, dtype=torch_dtype, device=self.device)
         proposer = None
-        if self.draft is not None:
+        if draft == "ngram":
+            proposer = NgramProposer(k, *ngram_n, device=self.device)
+        elif self.draft is not None:
             draft_runner = ModelRunner(self.draft.model, max_num_seqs, kv_len, dtype=torch_dtype, device=self.device)
             proposer = DraftModelProposer(draft_runner, k)
         self.engine = Engine(target_runner, proposer, config, self.target.eos_token_ids, self.target.vocab_size)

@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from minispec import LLM, SamplingParams
-from minispec.models.loader import resolve_source
+from minispec.models.loader import ALIASES, resolve_alias
 
 PROMPTS = [
     "Explain how a refrigerator keeps food cold.",
@@ -31,8 +32,10 @@ def main() -> None:
     torch.manual_seed(0)
     llm = LLM(target=args.target, max_num_seqs=1)
     spec = LLM(target=args.target, draft=args.draft, max_num_seqs=1) if args.draft else None
-    path, gguf = resolve_source(args.target)
-    kw = {"gguf_file": gguf} if gguf else {}
+    path = resolve_alias(args.target) if args.target.lower() in ALIASES else args.target
+    kw = {}
+    if path.endswith(".gguf"):
+        path, kw = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     ids = [llm.encode(p, use_chat_template=True) for p in PROMPTS]

@@ -153,3 +153,11 @@ def test_bad_requests(target_dir):
     for bad in (dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-1)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_ngram_draft_through_llm(target_dir, hf_greedy):
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    llm = LLM(target=target_dir, draft="ngram", num_speculative_tokens=3, max_num_seqs=2, ngram_n=(1, 2))
+    out = llm.generate([prompt], GREEDY)[0]
+    assert out.token_ids == hf_greedy(prompt, 24)
+    assert out.metrics["num_draft_tokens"] > 0

@@ -167,8 +167,10 @@ class Engine:
         sampling = BatchSampling(reqs, self.device)
         greedy = sampling.greedy
         max_drafts = int(num_logits_v.max()) - 1
-        u = (torch.zeros(len(reqs), max_drafts) if greedy or max_drafts == 0
-             else uniforms([r.random.verify for r in reqs], max_drafts))
+        # A sampled request draws exactly k uniforms and V exponentials per verification, whoever it
+        # is batched with, so its stream (and tokens) never depend on the batch.
+        u = (torch.zeros(len(reqs), self.k) if greedy or self.k == 0
+             else uniforms([r.random.verify for r in reqs], self.k))[:, :max_drafts]
         noise = (torch.ones(len(reqs), logits.shape[-1]) if greedy
                  else exponentials([r.random.verify for r in reqs], logits.shape[-1]))
         tokens, num_sampled = rejection_sample(
