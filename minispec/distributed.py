@@ -1,10 +1,12 @@
 """Tensor-parallel process group: init from torchrun's environment and the few collectives used."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -81,6 +83,7 @@ def init_distributed(timeout_s: float | None = None) -> TPGroup:
             backend="nccl" if use_cuda else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        atexit.register(shutdown)
     rank = dist.get_rank()
     device = (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -92,3 +95,45 @@ def init_distributed(timeout_s: float | None = None) -> TPGroup:
 def get_tp_group() -> TPGroup:
     """The current TP group (single-rank until init_distributed joins a torchrun job)."""
     return _TP_GROUP
+
+
+def rows_to_owners(tp: TPGroup, x_shard: torch.Tensor, row_owner: np.ndarray) -> torch.Tensor:
+    """Batch-sharded routing: every rank holds a column shard of every row; each row's owner gets it whole.
+
+    x_shard: [num_rows, W] this rank's columns (e.g. a vocab shard of logits); row_owner: [num_rows].
+    Returns [num_my_rows, tp * W]: the rows this rank owns, in row order, columns in rank order. One
+    all-to-all.
+    """
+    if tp.world_size == 1:
+        return x_shard
+    order = np.argsort(row_owner, kind="stable")
+    counts = np.bincount(row_owner, minlength=tp.world_size).tolist()
+    mine = counts[tp.rank_in_group]
+    send = x_shard[torch.from_numpy(order).to(x_shard.device)]  # [num_rows, W] grouped by owner
+    recv = tp.all_to_all(send, counts, [mine] * tp.world_size)  # [tp * mine, W] grouped by source rank
+    width = x_shard.shape[1]
+    return recv.view(tp.world_size, mine, width).permute(1, 0, 2).reshape(mine, tp.world_size * width)
+
+
+def rows_from_owners(tp: TPGroup, x_mine: torch.Tensor, row_owner: np.ndarray) -> torch.Tensor:
+    """The inverse share: each owner holds its rows [num_my_rows, C]; every rank gets all [num_rows, C].
+
+    One all-gather (rows padded to the largest owner's count).
+    """
+    if tp.world_size == 1:
+        return x_mine
+    counts = np.bincount(row_owner, minlength=tp.world_size)
+    pad = x_mine.new_zeros((int(counts.max()), *x_mine.shape[1:]))
+    pad[: x_mine.shape[0]] = x_mine
+    gathered = tp.all_gather(pad.unsqueeze(0), dim=0)  # [tp, max_count, C]
+    out = x_mine.new_empty((len(row_owner), *x_mine.shape[1:]))
+    for r in range(tp.world_size):
+        idx = torch.from_numpy(np.flatnonzero(row_owner == r)).to(out.device)
+        out[idx] = gathered[r, : int(counts[r])]
+    return out
+
+
+def shutdown() -> None:
+    """Leave the process group (avoids gloo's abort at interpreter exit)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -136,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
                 if llm.num_speculative_tokens else "; target only")
         print(f"[minispec] {len(outputs)} prompt(s), {ntok} tokens in {elapsed:.2f} s "
               f"({ntok / elapsed:.1f} tok/s){spec}")
+        cache = llm.engine.draft_logits
+        if cache is not None:
+            tp = get_tp_group().world_size
+            rows, k, vocab = cache.values.shape
+            rep = llm.engine.config.max_num_seqs * k * vocab * cache.values.element_size()
+            print(f"[minispec] draft-logits cache ({'sharded' if cache.row_mapping is not None else 'replicated'}, "
+                  f"tp={tp}): {rows} rows, {cache.nbytes / 2**20:.2f} MiB per rank "
+                  f"(replicated: {llm.engine.config.max_num_seqs} rows, {rep / 2**20:.2f} MiB)")
         if args.output_json:
             with open(args.output_json, "w") as f:
                 json.dump([o.as_dict() for o in outputs], f, indent=1)

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minispec.distributed import get_tp_group
+from minispec.distributed import get_tp_group, rows_from_owners, rows_to_owners
 from minispec.engine.input_batch import InputBatch
 from minispec.engine.model_runner import ModelRunner
 from minispec.engine.request import Request
 from minispec.engine.scheduler import Scheduler, ScheduledRequest
 from minispec.sample.random import RequestRandom, exponentials, uniforms
 from minispec.sampling_params import SamplingParams
-from minispec.spec_decode.draft_logits import DraftLogitsCache
+from minispec.spec_decode.draft_logits import DraftLogitsCache, shard_owners
 from minispec.spec_decode.proposer import BatchSampling, Proposer
 from minispec.spec_decode.rejection_sampler import rejection_sample
 
@@ -28,6 +28,7 @@ class EngineConfig:
     max_model_len: int = 2048
     num_speculative_tokens: int = 4
     shard_draft_logits: bool | None = None  # None: sharded iff tp > 1
+    record_beta: bool = False  # keep sum_x min(p, q) of every verified draft in metrics.betas
 
 
 @dataclass(slots=True)
@@ -42,8 +43,11 @@ class Engine:
     """Continuous batching over one target (and optionally one proposer)."""
 
     def __init__(self, target: ModelRunner, proposer: Proposer | None, config: EngineConfig,
-                 eos_token_ids: set[int], vocab_size: int):
+                 eos_token_ids: set[int], vocab_size: int, k_policy=None):
+        self.tp = get_tp_group()
         self.target = target
+        # Optional per-request speculation length: k_policy(req) -> k in [0, proposer.k].
+        self.k_policy = k_policy
         self.proposer = proposer
         self.config = config
         self.eos_token_ids = eos_token_ids
@@ -61,7 +65,7 @@ class Engine:
         if proposer is not None:
             sharded = config.shard_draft_logits
             if sharded is None:
-                sharded = get_tp_group().world_size > 1
+                sharded = self.tp.world_size > 1
             self.draft_logits = DraftLogitsCache(
                 config.max_num_seqs, self.k, vocab_size, dtype=torch.float32, fill=0.0,
                 device=self.device, sharded=sharded,
@@ -125,7 +129,12 @@ class Engine:
         return outputs
 
     def _verify(self, scheduled: list[ScheduledRequest], verified: list[ScheduledRequest]):
-        """One target forward over every scheduled request's new tokens (+ drafts); sample the verified."""
+        """One target forward over every scheduled request's new tokens (+ drafts); sample the verified.
+
+        Under TP each verified request has an owner rank: its logits reach the owner with one
+        all-to-all, the owner runs the rejection sampler, and one all-gather shares the results.
+        """
+        tp = self.tp
         queries, num_logits = [], []
         for s in scheduled:
             r = s.req
@@ -138,53 +147,93 @@ class Engine:
             queries.append(q)
             num_logits.append(n)
         logits = self.target.forward(
-            [s.req.slot for s in scheduled], [s.req.num_computed for s in scheduled], queries, num_logits
-        )  # [num_logits, V]
+            [s.req.slot for s in scheduled], [s.req.num_computed for s in scheduled], queries, num_logits,
+            gather=False,
+        )  # [num_logits, V] ([num_logits, V_padded / tp] under TP)
         for s in scheduled:
             if not s.verify:
                 s.req.num_computed += s.num_tokens
         if not verified:
             return None, None
         reqs = [s.req for s in verified]
+        slots = np.array([r.slot for r in reqs], dtype=np.int32)
+        owners = self._owners(slots)  # [num_reqs]
         num_logits_v = np.array([1 + r.num_drafts for r in reqs], dtype=np.int64)
-        batch = InputBatch.build([r.req_id for r in reqs], np.array([r.slot for r in reqs]), num_logits_v, self.device)
+        logits = rows_to_owners(tp, logits, np.repeat(owners, num_logits_v))[:, : self.vocab_size]
+        # Every rank draws every request's randomness (streams stay in step), owners use theirs.
+        sampled = [r for r in reqs if not r.params.greedy]
+        draws_u = uniforms([r.random.verify for r in sampled], self.k) if sampled and self.k else None
+        draws_e = exponentials([r.random.verify for r in sampled], self.vocab_size) if sampled else None
+        mine = owners == tp.rank_in_group
+        my_reqs = [r for r, m in zip(reqs, mine) if m]
+        result = torch.zeros(len(my_reqs), self.k + 3, dtype=torch.int64)  # [tokens (k + 1), num_sampled, stale]
+        if my_reqs:
+            result = self._sample_mine(my_reqs, slots[mine], num_logits_v[mine], logits, sampled, draws_u, draws_e)
+        result = rows_from_owners(tp, result.to(self.device), owners).cpu().numpy()
+        for r, n_stale in zip(reqs, result[:, -1]):
+            r.metrics.num_stale_drafts += int(n_stale)
+        return result[:, : self.k + 1], result[:, self.k + 1]
+
+    def _sample_mine(self, reqs, slots, num_logits, logits, sampled, draws_u, draws_e) -> torch.Tensor:
+        """Rejection-sample the requests this rank owns; returns [num_reqs, k + 3]: tokens, count, stale."""
+        batch = InputBatch.build([r.req_id for r in reqs], slots, num_logits, self.device)
         draft_tokens = np.full(batch.num_logits, -1, dtype=np.int64)  # [num_logits]
         for r, start in zip(reqs, batch.cu_num_logits_np[:-1]):
             if r.num_drafts:
                 draft_tokens[start : start + r.num_drafts] = r.drafts
-        draft_logits, stale = None, None
+        draft_tokens_t = torch.from_numpy(draft_tokens).to(self.device)
+        draft_logits, stale = logits, None  # without a cache every row is a bonus row
         if self.draft_logits is not None:
             cache = self.draft_logits
             rows = cache.rows_of(batch.expanded_idx_mapping.long())  # [num_logits]
-            steps = batch.expanded_local_pos.long().clamp(max=max(self.k - 1, 0))
+            steps = batch.expanded_local_pos.long().clamp(max=self.k - 1)
             draft_logits = cache.values[rows.clamp(min=0), steps]  # [num_logits, V]
             stale = cache.stale_drafts(batch)
             if stale is not None:
-                stale = stale & torch.from_numpy(draft_tokens >= 0).to(self.device)
-                self._count_stale(reqs, batch, stale)
-        else:
-            draft_logits = logits  # unused: every row is a bonus row
+                stale = stale & (draft_tokens_t >= 0)
         sampling = BatchSampling(reqs, self.device)
-        greedy = sampling.greedy
-        max_drafts = int(num_logits_v.max()) - 1
-        # A sampled request draws exactly k uniforms and V exponentials per verification, whoever it
-        # is batched with, so its stream (and tokens) never depend on the batch.
-        u = (torch.zeros(len(reqs), self.k) if greedy or self.k == 0
-             else uniforms([r.random.verify for r in reqs], self.k))[:, :max_drafts]
-        noise = (torch.ones(len(reqs), logits.shape[-1]) if greedy
-                 else exponentials([r.random.verify for r in reqs], logits.shape[-1]))
-        tokens, num_sampled = rejection_sample(
-            logits, draft_logits, torch.from_numpy(draft_tokens).to(self.device), stale,
-            torch.from_numpy(batch.cu_num_logits_np).to(self.device),
-            sampling.temperature, sampling.top_k, sampling.top_p,
-            u.to(self.device), noise.to(self.device),
+        u = torch.zeros(len(reqs), self.k)  # [num_reqs, k]
+        noise = torch.ones(len(reqs), self.vocab_size)  # [num_reqs, V]; greedy rows ignore it
+        index = {id(r): i for i, r in enumerate(sampled)}
+        for i, r in enumerate(reqs):
+            j = index.get(id(r))
+            if j is not None:
+                noise[i] = draws_e[j]
+                if draws_u is not None:
+                    u[i] = draws_u[j]
+        cu = torch.from_numpy(batch.cu_num_logits_np).to(self.device)
+        tokens, num_sampled, p, q = rejection_sample(
+            logits, draft_logits, draft_tokens_t, stale, cu, sampling.temperature, sampling.top_k,
+            sampling.top_p, u[:, : int(num_logits.max()) - 1].to(self.device), noise.to(self.device),
+            return_probs=True,
         )
-        return tokens.cpu().numpy(), num_sampled.cpu().numpy()
+        out = torch.full((len(reqs), self.k + 3), -1, dtype=torch.int64)
+        out[:, : tokens.shape[1]] = tokens.cpu()
+        out[:, self.k + 1] = num_sampled.cpu()
+        out[:, self.k + 2] = 0
+        if stale is not None:
+            per_req = torch.zeros(len(reqs), dtype=torch.int64)
+            req_of_row = torch.repeat_interleave(torch.arange(len(reqs)), torch.from_numpy(num_logits))
+            per_req.index_add_(0, req_of_row, stale.cpu().long())
+            out[:, self.k + 2] = per_req
+        if self.config.record_beta:
+            self._record_beta(reqs, batch, draft_tokens, stale, p, q)
+        return out
 
-    def _count_stale(self, reqs: list[Request], batch: InputBatch, stale: torch.Tensor) -> None:
-        stale_np = stale.cpu().numpy()
-        for r, start in zip(reqs, batch.cu_num_logits_np[:-1]):
-            r.metrics.num_stale_drafts += int(stale_np[start : start + r.num_drafts].sum())
+    def _record_beta(self, reqs, batch, draft_tokens, stale, p, q) -> None:
+        """Analytic acceptance beta = sum_x min(p, q) at every verified draft (Leviathan et al., Thm 3.5)."""
+        valid = draft_tokens >= 0
+        if stale is not None:
+            valid &= ~stale.cpu().numpy()
+        beta = torch.minimum(p, q).sum(dim=-1).cpu().numpy()  # [num_logits]
+        for r, start, end in zip(reqs, batch.cu_num_logits_np[:-1], batch.cu_num_logits_np[1:]):
+            r.metrics.betas.extend(float(b) for b, v in zip(beta[start:end], valid[start:end]) if v)
+
+    def _owners(self, slots: np.ndarray) -> np.ndarray:
+        """The TP rank that verifies each request (the rank that caches its draft logits)."""
+        if self.draft_logits is not None:
+            return self.draft_logits.owners_of(slots)[0]
+        return shard_owners(len(slots), self.tp.world_size)
 
     def _accept(self, verified: list[ScheduledRequest], tokens, num_sampled) -> list[StepOutput]:
         """Append each verified request's accepted drafts and sampled token; roll caches back; finish."""
@@ -231,10 +280,15 @@ class Engine:
         return new, None
 
     def _draft(self, reqs: list[Request]) -> None:
-        """Give out draft-logits rows by batch position, then draft k tokens for every request."""
+        """Give out draft-logits rows by batch position, then draft each request's k tokens."""
+        ks = [self.k_policy(r) if self.k_policy is not None else self.k for r in reqs]
+        reqs = [r for r, k in zip(reqs, ks) if k > 0]
+        ks = [k for k in ks if k > 0]
+        if not reqs:
+            return
         cache = self.draft_logits
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
         cache.assign(torch.from_numpy(slots).to(self.device), slots)
-        drafts = self.proposer.propose(reqs, cache, BatchSampling(reqs, self.device))  # [num_reqs, k]
-        for r, d in zip(reqs, drafts):
-            r.drafts = d
+        drafts = self.proposer.propose(reqs, cache)  # [num_reqs, k]
+        for r, d, k in zip(reqs, drafts, ks):
+            r.drafts = d[:k]

@@ -19,6 +19,7 @@ class RequestMetrics:
     num_accepted_tokens: int = 0
     num_stale_drafts: int = 0  # drafts rejected because their draft logits row was taken
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
+    betas: list[float] = field(default_factory=list)  # sum_x min(p, q) per verified draft, if recorded
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -36,6 +37,7 @@ class RequestMetrics:
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_stale_drafts": self.num_stale_drafts,
             "accepted_per_position": list(self.accepted_per_position),
+            "betas": list(self.betas),
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens) if self.num_draft_tokens else 0.0,
             "time_to_first_token_s": (self.first_token_time - self.arrival_time) if self.first_token_time else None,

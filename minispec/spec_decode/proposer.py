@@ -6,8 +6,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from minispec.distributed import get_tp_group, rows_from_owners, rows_to_owners
 from minispec.engine.model_runner import ModelRunner
 from minispec.engine.request import Request
+from minispec.sample.random import uniforms
 from minispec.sample.sampler import probs_from_logits
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 
@@ -18,7 +20,7 @@ class Proposer(Protocol):
 
     k: int
 
-    def propose(self, reqs: list[Request], cache: DraftLogitsCache, sampling: "BatchSampling") -> np.ndarray: ...
+    def propose(self, reqs: list[Request], cache: DraftLogitsCache) -> np.ndarray: ...
 
     def free(self, req: Request) -> None: ...
 
@@ -49,29 +51,38 @@ class DraftModelProposer:
         self.runner = runner
         self.k = k
 
-    def propose(self, reqs: list[Request], cache: DraftLogitsCache, sampling: BatchSampling) -> np.ndarray:
+    def propose(self, reqs: list[Request], cache: DraftLogitsCache) -> np.ndarray:
+        """k batched draft forwards. Under TP each draft step's logits go to the request's owner
+        (all-to-all), which caches them and samples the draft token; the tokens are then shared."""
+        tp = get_tp_group()
         device = self.runner.device
-        slots = [r.slot for r in reqs]
-        rows = cache.rows_of(torch.tensor(slots, dtype=torch.int64, device=device))  # [num_reqs]
-        mine = rows >= 0
+        vocab = cache.values.shape[-1]
+        slots = np.array([r.slot for r in reqs], dtype=np.int32)
+        sharded = cache.row_mapping is not None
+        # A replicated cache keeps every request on every rank: each rank samples all of them.
+        owners = cache.owners_of(slots)[0] if sharded else np.full(len(reqs), tp.rank_in_group)
+        mine = owners == tp.rank_in_group  # [num_reqs]
+        my_reqs = [r for r, m in zip(reqs, mine) if m]
+        rows = cache.rows_of(torch.from_numpy(slots[mine]).long().to(device)).long()  # [num_mine]
+        sampling = BatchSampling(my_reqs, device)
+        # Sampled requests draw k uniforms each per proposal, whatever the batch; greedy ones none.
+        u = torch.zeros(len(reqs), self.k)  # [num_reqs, k]
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if sampled:
+            u[sampled] = uniforms([reqs[i].random.draft for i in sampled], self.k)
+        u_mine = u[torch.from_numpy(mine)].to(device)
         drafts = np.empty((len(reqs), self.k), dtype=np.int64)  # [num_reqs, k]
         # Step 0 catches the draft cache up on everything it has not seen (prompt, accepted tokens, bonus).
         starts = [r.num_draft_computed for r in reqs]
         queries = [r.token_ids[r.num_draft_computed :] for r in reqs]
-        if sampling.greedy:
-            uniforms = None
-        else:
-            from minispec.sample.random import uniforms as draw_uniforms
-
-            uniforms = draw_uniforms([r.random.draft for r in reqs], self.k).to(device)  # [num_reqs, k]
         for j in range(self.k):
-            logits = self.runner.forward(slots, starts, queries, [1] * len(reqs))  # [num_reqs, V]
-            cache.values[rows[mine], j] = logits[mine].to(cache.values.dtype)
+            logits = self.runner.forward([r.slot for r in reqs], starts, queries, [1] * len(reqs), gather=not sharded)
+            logits = rows_to_owners(tp, logits, owners)[:, :vocab] if sharded else logits  # [num_mine, V]
+            cache.values[rows, j] = logits.to(cache.values.dtype)
             probs = probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            if uniforms is None:
-                tok = probs.argmax(dim=-1)
-            else:
-                tok = sample_inverse_cdf(probs, uniforms[:, j])
+            tok = probs.argmax(dim=-1) if sampling.greedy else sample_inverse_cdf(probs, u_mine[:, j])
+            if sharded:
+                tok = rows_from_owners(tp, tok, owners)
             drafts[:, j] = tok.cpu().numpy()
             starts = [s + len(q) for s, q in zip(starts, queries)]
             queries = [[int(t)] for t in drafts[:, j]]

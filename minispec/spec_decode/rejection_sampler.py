@@ -172,13 +172,16 @@ def rejection_sample(
     uniforms: torch.Tensor,
     noise: torch.Tensor,
     use_triton: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_probs: bool = False,
+):
     """Verify drafts: tokens [num_reqs, K + 1] (accepted drafts then one drawn token, -1 padded), num_sampled [num_reqs].
 
     K = uniforms.shape[1] must be at least every request's number of drafts (rows - 1).
+    With return_probs, also the target and draft probabilities p, q [num_logits, V] it used.
     """
     if use_triton is None:
         use_triton = _use_triton(target_logits)
     p, q = _probs(target_logits, draft_logits, cu_num_logits, temperature, top_k, top_p)
     fn = rejection_sample_triton if use_triton else rejection_sample_ref
-    return fn(p, q, draft_tokens, stale, cu_num_logits, uniforms, noise)
+    tokens, num_sampled = fn(p, q, draft_tokens, stale, cu_num_logits, uniforms, noise)
+    return (tokens, num_sampled, p, q) if return_probs else (tokens, num_sampled)
