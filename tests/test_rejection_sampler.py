@@ -364,3 +364,31 @@ def test_single_row_request_is_plain_sampling():
                                      temperature, top_k, top_p, torch.zeros(num_reqs, 0), noise, use_triton=use_triton)
         assert tokens.shape == (num_reqs, 1) and n.tolist() == [1] * num_reqs
         assert torch.equal(tokens[:, 0], expected)
+
+
+def test_greedy_fast_path_equals_general_path():
+    """rejection_sample's all-greedy shortcut gives the same tokens as the one-hot p/q computation."""
+    from minispec.spec_decode.rejection_sampler import greedy_verify, rejection_sample
+
+    g = torch.Generator().manual_seed(5)
+    for trial in range(30):
+        num_reqs, vocab = 4, 11
+        rows = torch.randint(1, 5, (num_reqs,), generator=g)
+        cu = torch.zeros(num_reqs + 1, dtype=torch.int64)
+        cu[1:] = rows.cumsum(0)
+        n = int(cu[-1])
+        target = torch.randn(n, vocab, generator=g)
+        target[torch.rand(n, generator=g) < 0.1] = float("nan")
+        drafts = torch.where(torch.rand(n, generator=g) < 0.5, target.nan_to_num(-1e9).argmax(-1),
+                             torch.randint(-1, vocab, (n,), generator=g))
+        drafts[cu[1:] - 1] = -1
+        stale = torch.rand(n, generator=g) < 0.2
+        zeros = torch.zeros(num_reqs)
+        k = int(rows.max()) - 1
+        args = (target, torch.randn(n, vocab, generator=g), drafts, stale, cu, zeros,
+                torch.zeros(num_reqs, dtype=torch.int64), torch.ones(num_reqs))
+        u = torch.rand(num_reqs, k, generator=g)
+        noise = torch.empty(num_reqs, vocab).exponential_(generator=g)
+        fast = greedy_verify(target, drafts, stale, cu, k)
+        general = rejection_sample(*args, u, noise, return_probs=True)[:2]
+        assert torch.equal(fast[0], general[0]) and torch.equal(fast[1], general[1]), trial

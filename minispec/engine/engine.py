@@ -202,11 +202,12 @@ class Engine:
                 if draws_u is not None:
                     u[i] = draws_u[j]
         cu = torch.from_numpy(batch.cu_num_logits_np).to(self.device)
-        tokens, num_sampled, p, q = rejection_sample(
+        verdict = rejection_sample(
             logits, draft_logits, draft_tokens_t, stale, cu, sampling.temperature, sampling.top_k,
             sampling.top_p, u[:, : int(num_logits.max()) - 1].to(self.device), noise.to(self.device),
-            return_probs=True,
+            return_probs=self.config.record_beta,
         )
+        tokens, num_sampled = verdict[:2]
         out = torch.full((len(reqs), self.k + 3), -1, dtype=torch.int64)
         out[:, : tokens.shape[1]] = tokens.cpu()
         out[:, self.k + 1] = num_sampled.cpu()
@@ -217,7 +218,7 @@ class Engine:
             per_req.index_add_(0, req_of_row, stale.cpu().long())
             out[:, self.k + 2] = per_req
         if self.config.record_beta:
-            self._record_beta(reqs, batch, draft_tokens, stale, p, q)
+            self._record_beta(reqs, batch, draft_tokens, stale, *verdict[2:])
         return out
 
     def _record_beta(self, reqs, batch, draft_tokens, stale, p, q) -> None:

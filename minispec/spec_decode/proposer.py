@@ -79,8 +79,11 @@ class DraftModelProposer:
             logits = self.runner.forward([r.slot for r in reqs], starts, queries, [1] * len(reqs), gather=not sharded)
             logits = rows_to_owners(tp, logits, owners)[:, :vocab] if sharded else logits  # [num_mine, V]
             cache.values[rows, j] = logits.to(cache.values.dtype)
-            probs = probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            tok = probs.argmax(dim=-1) if sampling.greedy else sample_inverse_cdf(probs, u_mine[:, j])
+            if sampling.greedy:
+                tok = logits.argmax(dim=-1)
+            else:
+                probs = probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+                tok = sample_inverse_cdf(probs, u_mine[:, j])
             if sharded:
                 tok = rows_from_owners(tp, tok, owners)
             drafts[:, j] = tok.cpu().numpy()

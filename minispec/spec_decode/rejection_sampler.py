@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minispec.sample.sampler import NOISE_MAX, NOISE_MIN, probs_from_logits, sample
+from minispec.sample.sampler import NOISE_MAX, NOISE_MIN, _sanitize, probs_from_logits, sample
 from minispec.utils import use_triton as _use_triton
 
 
@@ -160,6 +160,27 @@ def rejection_sample_triton(p, q, draft_tokens, stale, cu_num_logits, uniforms, 
     return tokens, num_sampled
 
 
+def greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, max_drafts: int):
+    """The all-greedy case of rejection_sample without building p and q: accept a draft iff it is
+    valid and equals the target's argmax; emit the argmax at the first rejection (or as the bonus).
+
+    Same tokens as the general path with one-hot p and q, at the cost of one argmax per row.
+    """
+    num_logits, vocab = target_logits.shape
+    device = target_logits.device
+    num_reqs = cu_num_logits.shape[0] - 1
+    argmax = _sanitize(target_logits).argmax(dim=-1)  # [num_logits]
+    valid = _valid_drafts(draft_tokens, stale, cu_num_logits, vocab)  # [num_logits]
+    pos = torch.arange(max_drafts + 1, device=device)
+    rows = (cu_num_logits[:-1].unsqueeze(1) + pos).clamp(max=max(num_logits - 1, 0))  # [num_reqs, K + 1]
+    is_draft = pos < (cu_num_logits[1:] - cu_num_logits[:-1] - 1).unsqueeze(1)  # [num_reqs, K + 1]
+    accepted = is_draft & valid[rows] & (draft_tokens[rows] == argmax[rows])  # [num_reqs, K + 1]
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [num_reqs]
+    tokens = torch.where(pos < num_accepted.unsqueeze(1), argmax[rows], -1)  # [num_reqs, K + 1]
+    tokens.scatter_(1, num_accepted.unsqueeze(1), argmax[cu_num_logits[:-1] + num_accepted].unsqueeze(1))
+    return tokens[:num_reqs], num_accepted + 1
+
+
 def rejection_sample(
     target_logits: torch.Tensor,
     draft_logits: torch.Tensor,
@@ -181,6 +202,8 @@ def rejection_sample(
     """
     if use_triton is None:
         use_triton = _use_triton(target_logits)
+    if not return_probs and bool((temperature == 0).all()):
+        return greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, uniforms.shape[1])
     p, q = _probs(target_logits, draft_logits, cu_num_logits, temperature, top_k, top_p)
     fn = rejection_sample_triton if use_triton else rejection_sample_ref
     tokens, num_sampled = fn(p, q, draft_tokens, stale, cu_num_logits, uniforms, noise)
