@@ -28,7 +28,10 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="also time minispec speculative with this draft")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     llm = LLM(target=args.target, max_num_seqs=1)
     spec = LLM(target=args.target, draft=args.draft, max_num_seqs=1) if args.draft else None
