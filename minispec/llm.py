@@ -31,12 +31,16 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None
+    finish_reason: str | None  # "length" | "stop" | "abort" | "error"
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # why a request ended with finish_reason "error"
 
     def as_dict(self) -> dict:
-        return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "metrics": self.metrics}
+        d = {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
+             "finish_reason": self.finish_reason, "metrics": self.metrics}
+        if self.error:
+            d["error"] = self.error
+        return d
 
 
 class LLM:
@@ -152,7 +156,7 @@ class LLM:
     def _output(self, req: Request, prompt) -> RequestOutput:
         toks = req.output_token_ids
         return RequestOutput(req.req_id, prompt, list(req.prompt_token_ids), list(toks), self.decode(toks),
-                             req.finish_reason, req.metrics.as_dict(len(toks)))
+                             req.finish_reason, req.metrics.as_dict(len(toks)), req.error)
 
     # ---- generation -----------------------------------------------------------------------
     def stream(self, prompts, sampling_params=None, use_chat_template: bool = False

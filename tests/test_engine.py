@@ -161,3 +161,30 @@ def test_ngram_draft_through_llm(target_dir, hf_greedy):
     out = llm.generate([prompt], GREEDY)[0]
     assert out.token_ids == hf_greedy(prompt, 24)
     assert out.metrics["num_draft_tokens"] > 0
+
+
+def test_nan_logits_end_one_request_others_continue(target_dir, draft_dir, hf_greedy):
+    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=2, max_num_seqs=4)
+    runner = llm.engine.target
+    forward = runner.forward
+    poisoned = {}
+
+    def poisoning_forward(slots, starts, queries, num_logits, gather=True):
+        logits = forward(slots, starts, queries, num_logits, gather).clone()
+        row = 0
+        for slot, n in zip(slots, num_logits):
+            if slot == poisoned.get("slot") and n:
+                logits[row : row + n, 3] = float("nan")
+            row += n
+        return logits
+
+    runner.forward = poisoning_forward
+    req = llm.add_request(PROMPTS[1], GREEDY)
+    poisoned["slot"] = req.slot if req.slot >= 0 else 0
+    outs = llm.generate([PROMPTS[0], PROMPTS[2]], GREEDY)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert req.finish_reason == "error" and "NaN" in req.error
+    for p, o in zip([PROMPTS[0], PROMPTS[2]], outs):
+        assert o.token_ids == hf_greedy(p, 24) and o.finish_reason == "length"
+    assert len(llm.engine.scheduler.free_slots) == 4

@@ -120,7 +120,7 @@ class Engine:
         if not scheduled:
             return []
         verified = [s for s in scheduled if s.verify]
-        sampled = self._verify(scheduled, verified)  # [num_verified, k + 1], [num_verified]
+        sampled = self._verify(scheduled, verified)  # tokens [num_verified, k + 1], counts, bad logits
         outputs = self._accept(verified, *sampled)
         if self.proposer is not None:
             to_draft = [s.req for s in verified if not s.req.finished]
@@ -154,7 +154,7 @@ class Engine:
             if not s.verify:
                 s.req.num_computed += s.num_tokens
         if not verified:
-            return None, None
+            return None, None, None
         reqs = [s.req for s in verified]
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
         owners = self._owners(slots)  # [num_reqs]
@@ -166,16 +166,18 @@ class Engine:
         draws_e = exponentials([r.random.verify for r in sampled], self.vocab_size) if sampled else None
         mine = owners == tp.rank_in_group
         my_reqs = [r for r, m in zip(reqs, mine) if m]
-        result = torch.zeros(len(my_reqs), self.k + 3, dtype=torch.int64)  # [tokens (k + 1), num_sampled, stale]
+        # [num_mine, k + 4]: tokens (k + 1, -1 padded), num_sampled, num_stale, bad logits (0/1)
+        result = torch.zeros(len(my_reqs), self.k + 4, dtype=torch.int64)
         if my_reqs:
             result = self._sample_mine(my_reqs, slots[mine], num_logits_v[mine], logits, sampled, draws_u, draws_e)
         result = rows_from_owners(tp, result.to(self.device), owners).cpu().numpy()
-        for r, n_stale in zip(reqs, result[:, -1]):
+        k = self.k
+        for r, n_stale in zip(reqs, result[:, k + 2]):
             r.metrics.num_stale_drafts += int(n_stale)
-        return result[:, : self.k + 1], result[:, self.k + 1]
+        return result[:, : k + 1], result[:, k + 1], result[:, k + 3].astype(bool)
 
     def _sample_mine(self, reqs, slots, num_logits, logits, sampled, draws_u, draws_e) -> torch.Tensor:
-        """Rejection-sample the requests this rank owns; returns [num_reqs, k + 3]: tokens, count, stale."""
+        """Rejection-sample the requests this rank owns; returns [num_reqs, k + 4]: tokens, count, stale, bad."""
         batch = InputBatch.build([r.req_id for r in reqs], slots, num_logits, self.device)
         draft_tokens = np.full(batch.num_logits, -1, dtype=np.int64)  # [num_logits]
         for r, start in zip(reqs, batch.cu_num_logits_np[:-1]):
@@ -193,7 +195,9 @@ class Engine:
                 stale = stale & (draft_tokens_t >= 0)
         sampling = BatchSampling(reqs, self.device)
         u = torch.zeros(len(reqs), self.k)  # [num_reqs, k]
-        noise = torch.ones(len(reqs), self.vocab_size)  # [num_reqs, V]; greedy rows ignore it
+        noise = torch.ones(len(reqs), 1).expand(len(reqs), self.vocab_size)  # [num_reqs, V]; greedy rows ignore it
+        if sampled:
+            noise = noise.contiguous()
         index = {id(r): i for i, r in enumerate(sampled)}
         for i, r in enumerate(reqs):
             j = index.get(id(r))
@@ -208,13 +212,16 @@ class Engine:
             return_probs=self.config.record_beta,
         )
         tokens, num_sampled = verdict[:2]
-        out = torch.full((len(reqs), self.k + 3), -1, dtype=torch.int64)
+        out = torch.full((len(reqs), self.k + 4), -1, dtype=torch.int64)
         out[:, : tokens.shape[1]] = tokens.cpu()
         out[:, self.k + 1] = num_sampled.cpu()
         out[:, self.k + 2] = 0
+        # A target that emits NaN or +inf logits cannot be sampled from: the request ends with an error.
+        bad_row = (logits.isnan() | (logits == float("inf"))).any(dim=-1).cpu()  # [num_logits]
+        req_of_row = torch.repeat_interleave(torch.arange(len(reqs)), torch.from_numpy(num_logits))
+        out[:, self.k + 3] = torch.zeros(len(reqs), dtype=torch.int64).index_add_(0, req_of_row, bad_row.long()) > 0
         if stale is not None:
             per_req = torch.zeros(len(reqs), dtype=torch.int64)
-            req_of_row = torch.repeat_interleave(torch.arange(len(reqs)), torch.from_numpy(num_logits))
             per_req.index_add_(0, req_of_row, stale.cpu().long())
             out[:, self.k + 2] = per_req
         if self.config.record_beta:
@@ -236,12 +243,17 @@ class Engine:
             return self.draft_logits.owners_of(slots)[0]
         return shard_owners(len(slots), self.tp.world_size)
 
-    def _accept(self, verified: list[ScheduledRequest], tokens, num_sampled) -> list[StepOutput]:
+    def _accept(self, verified: list[ScheduledRequest], tokens, num_sampled, bad) -> list[StepOutput]:
         """Append each verified request's accepted drafts and sampled token; roll caches back; finish."""
         outputs = []
         now = time.perf_counter()
         for i, s in enumerate(verified):
             r = s.req
+            if bad[i]:
+                r.error = "the target model produced NaN or inf logits"
+                outputs.append(StepOutput(r, []))
+                self._finish(r, "error")
+                continue
             n = int(num_sampled[i])
             num_accepted = n - 1
             m = r.metrics
