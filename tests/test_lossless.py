@@ -1,0 +1,228 @@
+"""Lossless end to end: seeded engine samples follow the target's exact token laws (chi-square tests).
+
+A tiny random target over a 32-token vocabulary and a different tiny random draft. For each
+sampling setting the engine runs N requests of one prompt with distinct seeds; the counts of the
+1st, 2nd and 3rd generated tokens are tested against the exact marginals, enumerated with
+transformers' model: P(t1) = p(. | prompt), P(t2) = sum_x P(t1=x) p(. | prompt x), and so on.
+With a draft, t1 comes from the prefill (no drafts) while t2 and t3 go through the rejection
+sampler (drafts d1 and d2 of the first verification). The same counts tested against the laws of
+two broken engines (every draft accepted; rejected drafts resampled from p instead of the residual)
+must fail, so the tests can fail. Acceptance counts are tested against the exact acceptance
+probabilities E[sum min(p, q)].
+"""
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from minispec import LLM, SamplingParams
+from minispec.sample.sampler import probs_from_logits
+from tests.utils import make_tiny_model_dir
+
+VOCAB = 32
+PROMPT = [5, 17, 9, 3, 30, 1]
+N = 6000  # requests per setting
+ALPHA = 1e-3  # reject the law when p < ALPHA
+MIN_EXPECTED = 5.0  # cells with fewer expected counts are pooled
+NUM_TOKENS = 3
+
+# (name, sampling settings, k)
+SETTINGS = [
+    ("T=1", dict(temperature=1.0), 3),
+    ("T=0.7", dict(temperature=0.7), 2),
+    ("T=1.3", dict(temperature=1.3), 3),
+    ("top_k=5", dict(top_k=5), 2),
+    ("top_p=0.8", dict(top_p=0.8), 3),
+    ("T=0.8,top_k=20,top_p=0.9", dict(temperature=0.8, top_k=20, top_p=0.9), 2),
+]
+TARGET_ONLY_SETTINGS = [SETTINGS[0], SETTINGS[5]]
+
+
+# ---- statistics --------------------------------------------------------------------------------
+
+def chi2_sf(stat: float, dof: int) -> float:
+    """P(X >= stat) for X ~ chi-square(dof): the regularized upper incomplete gamma Q(dof/2, stat/2)."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def chi2_test(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float, int]:
+    """Pearson chi-square of counts [V] against probs [V]; cells expected < MIN_EXPECTED are pooled.
+
+    Returns (chi2, dof, p, count seen in zero-probability cells); p is 0 if that count is not 0.
+    """
+    counts, probs = counts.double(), probs.double()
+    n = counts.sum()
+    zero = probs <= 0
+    impossible = int(counts[zero].sum())
+    expected = probs[~zero] * n  # [S]
+    observed = counts[~zero]  # [S]
+    order = torch.argsort(expected)
+    expected, observed = expected[order], observed[order]
+    # Pool the smallest cells until the pooled cell reaches MIN_EXPECTED.
+    cut = 0
+    while cut < len(expected) and expected[:cut].sum() < MIN_EXPECTED:
+        cut += 1
+    if cut > 1:
+        expected = torch.cat([expected[:cut].sum().view(1), expected[cut:]])
+        observed = torch.cat([observed[:cut].sum().view(1), observed[cut:]])
+    stat = float((((observed - expected) ** 2) / expected).sum())
+    dof = len(expected) - 1
+    p = chi2_sf(stat, dof) if dof > 0 else 1.0
+    return stat, dof, (0.0 if impossible else p), impossible
+
+
+def binomial_test(successes: int, n: int, prob: float) -> tuple[float, float]:
+    """Two-sided normal-approximation test of successes ~ Binomial(n, prob): (z, p)."""
+    z = (successes - n * prob) / math.sqrt(n * prob * (1 - prob))
+    return z, math.erfc(abs(z) / math.sqrt(2))
+
+
+# ---- exact laws --------------------------------------------------------------------------------
+
+@torch.no_grad()
+def next_token_probs(model, contexts: list[list[int]], params: SamplingParams) -> torch.Tensor:
+    """The warped next-token distribution after each context (all of one length), float64 [num_contexts, V]."""
+    logits = model(torch.tensor(contexts)).logits[:, -1].float()  # [C, V]
+    c = len(contexts)
+    return probs_from_logits(logits, torch.full((c,), params.temperature), torch.full((c,), params.top_k),
+                             torch.full((c,), params.top_p)).double()
+
+
+class ExactLaws:
+    """Exact laws of the first three tokens under one setting, from target p and draft q conditionals."""
+
+    def __init__(self, target, draft, params: SamplingParams):
+        ctx2 = [PROMPT + [x] for x in range(VOCAB)]
+        ctx3 = [PROMPT + [x, y] for x in range(VOCAB) for y in range(VOCAB)]
+        self.p1 = next_token_probs(target, [PROMPT], params)[0]  # [V]
+        self.p2 = next_token_probs(target, ctx2, params)  # [V (t1), V]
+        self.q2 = next_token_probs(draft, ctx2, params)  # [V (t1), V]
+        self.p3 = next_token_probs(target, ctx3, params).view(VOCAB, VOCAB, VOCAB)  # [V (t1), V (t2), V]
+        self.q3 = next_token_probs(draft, ctx3, params).view(VOCAB, VOCAB, VOCAB)
+
+    def target(self) -> list[torch.Tensor]:
+        """Marginals of t1, t2, t3 under the target alone: what a lossless engine must produce."""
+        return [self.p1, self.p1 @ self.p2, torch.einsum("x,xy,xyz->z", self.p1, self.p2, self.p3)]
+
+    def accept_all_t2(self) -> torch.Tensor:
+        """Law of t2 if every draft were accepted: sum_x P(t1=x) q(. | x)."""
+        return self.p1 @ self.q2
+
+    def resample_from_p_t2(self) -> torch.Tensor:
+        """Law of t2 if a rejected d1 were replaced by a draw from p instead of norm(max(0, p - q))."""
+        both = torch.minimum(self.p2, self.q2)  # [V, V] P(d1 = y and accepted | t1)
+        return self.p1 @ (both + (1 - both.sum(-1, keepdim=True)) * self.p2)
+
+    def acceptance(self) -> tuple[float, float]:
+        """P(d1 accepted) and P(d1 and d2 accepted) in the first verification."""
+        a2 = torch.minimum(self.p2, self.q2)  # [V, V]
+        a3 = torch.minimum(self.p3, self.q3).sum(-1)  # [V, V]
+        return float(self.p1 @ a2.sum(-1)), float(torch.einsum("x,xy,xy->", self.p1, a2, a3))
+
+
+# ---- fixtures ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny ops on 48k requests: with other processes on the cores, intra-op threads only wait on each other.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("target")), seed=3, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    # Another random model over the same vocabulary: its laws differ from the target's everywhere.
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("draft")), seed=4, vocab_size=VOCAB, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def hf_models(target_dir, draft_dir):
+    load = lambda d: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()  # noqa: E731
+    return load(target_dir), load(draft_dir)
+
+
+@pytest.fixture(scope="module")
+def engines(target_dir, draft_dir):
+    """One LLM per k (with the draft) and one target-only LLM, built on first use."""
+    cache = {}
+
+    def get(k: int) -> LLM:
+        if k not in cache:
+            draft = dict(draft=draft_dir, num_speculative_tokens=k) if k else {}
+            cache[k] = LLM(target=target_dir, max_num_seqs=256, max_num_batched_tokens=4096, **draft)
+        return cache[k]
+
+    return get
+
+
+def sample_counts(llm: LLM, settings: dict, seed0: int):
+    """Run N seeded requests of PROMPT for NUM_TOKENS tokens; counts [NUM_TOKENS, V] and the outputs."""
+    params = [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=seed0 + i, **settings) for i in range(N)]
+    outs = llm.generate([PROMPT] * N, params)
+    tokens = torch.tensor([o.token_ids for o in outs])  # [N, NUM_TOKENS]
+    assert tokens.shape == (N, NUM_TOKENS)
+    counts = torch.stack([torch.bincount(tokens[:, j], minlength=VOCAB) for j in range(NUM_TOKENS)])  # [3, V]
+    return counts, outs
+
+
+def check_marginals(label: str, counts: torch.Tensor, laws: list[torch.Tensor]) -> None:
+    for j, (c, law) in enumerate(zip(counts, laws)):
+        stat, dof, p, impossible = chi2_test(c, law)
+        print(f"\n[lossless] {label} t{j + 1}: chi2={stat:.2f} dof={dof} p={p:.4f}", end="")
+        assert impossible == 0, f"{label} t{j + 1}: {impossible} samples of zero-probability tokens"
+        assert p >= ALPHA, f"{label} t{j + 1}: chi2={stat:.2f} dof={dof} p={p:.2e} < {ALPHA}"
+
+
+# ---- tests -------------------------------------------------------------------------------------
+
+def test_chi2_sf_matches_closed_forms():
+    for x in (0.5, 3.0, 12.0, 40.0):
+        assert chi2_sf(x, 2) == pytest.approx(math.exp(-x / 2), rel=1e-9)
+        assert chi2_sf(x, 1) == pytest.approx(math.erfc(math.sqrt(x / 2)), rel=1e-9)
+
+
+@pytest.mark.parametrize("name, settings, k", SETTINGS, ids=[s[0] for s in SETTINGS])
+def test_speculative_sampling_matches_target_law(engines, hf_models, name, settings, k):
+    idx = [s[0] for s in SETTINGS].index(name)
+    exact = ExactLaws(*hf_models, SamplingParams(**settings))
+    counts, outs = sample_counts(engines(k), settings, seed0=1_000_000 * (idx + 1))
+    check_marginals(f"draft k={k} {name}", counts, exact.target())
+
+    # The same t2 counts reject the laws of two broken engines: the test above can fail.
+    for key, law in (("accept-all", exact.accept_all_t2()), ("resample-from-p", exact.resample_from_p_t2())):
+        stat, dof, p, _ = chi2_test(counts[1], law)
+        print(f"\n[lossless] draft k={k} {name} t2 vs {key} law: chi2={stat:.2f} dof={dof} p={p:.2e}", end="")
+        assert p < ALPHA, f"{name}: the {key} engine's t2 law is not rejected (p={p:.3g})"
+
+    # Acceptance in the first verification. A request that accepts d1 there has all 3 tokens and
+    # finishes after one verification; one that rejects d1 needs a second.
+    a1, a12 = exact.acceptance()
+    first = [o for o in outs if o.metrics["num_drafts"] == 1]
+    accepted_two = sum(o.metrics["accepted_per_position"][1] for o in first)
+    assert all(o.metrics["num_drafts"] in (1, 2) and o.metrics["num_stale_drafts"] == 0 for o in outs)
+    for what, got, prob in (("d1", len(first), a1), ("d1,d2", accepted_two, a12)):
+        z, p = binomial_test(got, N, prob)
+        print(f"\n[lossless] draft k={k} {name} P({what} accepted): exact={prob:.4f} "
+              f"observed={got / N:.4f} z={z:+.2f} p={p:.4f}", end="")
+        assert p >= ALPHA, f"{name}: P({what} accepted) exact {prob:.4f}, observed {got / N:.4f} (z={z:.2f})"
+
+
+@pytest.mark.parametrize("name, settings, k", TARGET_ONLY_SETTINGS, ids=[s[0] for s in TARGET_ONLY_SETTINGS])
+def test_target_only_sampling_matches_target_law(engines, hf_models, name, settings, k):
+    exact = ExactLaws(*hf_models, SamplingParams(**settings))
+    idx = [s[0] for s in TARGET_ONLY_SETTINGS].index(name)
+    counts, _ = sample_counts(engines(0), settings, seed0=100_000_000 + 1_000_000 * idx)
+    check_marginals(f"target-only {name}", counts, exact.target())
+    # And not the draft's law: sanity of the statistic on t1, which the prefill samples from p.
+    stat, dof, p, _ = chi2_test(counts[0], next_token_probs(hf_models[1], [PROMPT], SamplingParams(**settings))[0])
+    print(f"\n[lossless] target-only {name} t1 vs draft law: chi2={stat:.2f} dof={dof} p={p:.2e}", end="")
+    assert p < ALPHA
