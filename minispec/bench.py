@@ -1,0 +1,656 @@
+"""python -m minispec.bench — minispec and transformers side by side: same prompts, same models, one run.
+
+    .venv/bin/python -m minispec.bench [--config configs/bench-smollm2.toml] [--quick] [--out bench.json]
+
+Every system generates the same number of tokens for the same token prompts (ignore_eos; transformers
+gets min_new_tokens = max_new_tokens). Each round runs every row once, in alternating order, so machine
+drift hits all rows alike. Besides tok/s the run measures the memory bandwidth (roofline at batch 1),
+the draft and verify cost ratios of minispec's own forwards, and from them each speculative row's
+engine efficiency: measured speedup / speedup predicted from its per-token acceptance alpha,
+
+    predicted = (1 - alpha^(k+1)) / (1 - alpha) / (k * c + verify_ratio).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+import torch
+
+from minispec.llm import DEFAULT_TARGET
+
+NGRAM = "ngram"
+NGRAM_N = (1, 3)  # minispec's n-gram sizes; transformers prompt lookup matches up to the same max
+HF_BATCH1_NOTE = "transformers assisted generation / prompt lookup run at batch size 1 only"
+
+# Used when minispec.data.load_prompts is not available.
+BUILTIN_PROMPTS = [
+    "Explain how a refrigerator keeps food cold.",
+    "Write a short poem about the sea at night.",
+    "List five tips for learning a new language.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarise the water cycle in three sentences.",
+    "Write a Python function that returns the n-th Fibonacci number, then explain it line by line.",
+    "Describe the rules of chess for a complete beginner.",
+    "Give me a recipe for a simple tomato pasta sauce.",
+    "Why is the sky blue? Answer for a ten-year-old.",
+    "Rewrite this sentence in a formal tone: hey, the meeting got moved to friday, ok?",
+    "What are the main causes of inflation?",
+    "Write a haiku about autumn leaves.",
+    "Explain what a hash table is and when to use one.",
+    "Plan a three-day trip to Rome with a daily schedule.",
+    "Compare cats and dogs as pets in a short table.",
+    "How do vaccines train the immune system?",
+]
+
+
+@dataclass
+class BenchConfig:
+    """What to run. Defaults match configs/bench-smollm2.toml."""
+
+    target: str = DEFAULT_TARGET
+    drafts: list[str] = field(default_factory=lambda: [NGRAM])  # model specs and/or "ngram"
+    k: int = 4
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.8])
+    max_tokens: int = 128
+    num_prompts: int = 16
+    rounds: int = 2
+    seed: int = 0
+    dtype: str = "float32"
+    device: str | None = None  # None: minispec's default (the TP group's device)
+    threads: int | None = None  # torch CPU threads; None: torch's default
+    chat: bool = True  # apply the target's chat template when it has one
+    cost_reps: int = 20  # timed forwards per cost-ratio measurement
+    bandwidth_mib: int = 512  # size of the tensor copied to measure memory bandwidth
+
+
+QUICK = dict(max_tokens=8, num_prompts=2, batch_sizes=[1], rounds=1, cost_reps=3, bandwidth_mib=256)
+
+
+def load_config(path: str | None) -> BenchConfig:
+    """BenchConfig from a TOML file (unknown keys are an error), or the defaults."""
+    cfg = BenchConfig()
+    if path is None:
+        return cfg
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    known = {f.name for f in fields(BenchConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    for key, value in raw.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def check_config(cfg: BenchConfig) -> None:
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ValueError(f"threads must be >= 1, got {cfg.threads}")
+    if not cfg.batch_sizes or min(cfg.batch_sizes) < 1:
+        raise ValueError(f"batch_sizes must be positive integers, got {cfg.batch_sizes}")
+    if not cfg.temperatures or min(cfg.temperatures) < 0:
+        raise ValueError(f"temperatures must be >= 0, got {cfg.temperatures}")
+    for name in ("k", "max_tokens", "num_prompts", "rounds", "cost_reps", "bandwidth_mib"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+
+
+# ---- models and prompts ------------------------------------------------------------------------
+
+
+def hf_source(spec: str) -> tuple[str, dict]:
+    """(from_pretrained path, kwargs) of a model spec: alias, HF directory, .gguf file or hub id."""
+    from minispec.models.loader import ALIASES, resolve_alias
+
+    path = resolve_alias(spec) if spec.lower() in ALIASES else os.path.expanduser(spec)
+    if path.lower().endswith(".gguf"):
+        return os.path.dirname(path) or ".", {"gguf_file": os.path.basename(path)}
+    return path, {}
+
+
+def load_hf(spec: str, dtype: torch.dtype, device: torch.device):
+    """transformers' own model (and tokenizer) for a spec, in eval mode on device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, kw = hf_source(spec)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+    except Exception:  # a checkpoint without a tokenizer
+        tokenizer = None
+    return model, tokenizer
+
+
+def load_prompt_texts(num_prompts: int) -> tuple[list[str], str]:
+    """num_prompts prompt strings (cycled if the set is smaller) and where they came from."""
+    texts, source = BUILTIN_PROMPTS, "built-in"
+    try:
+        from minispec.data import load_prompts
+
+        loaded = load_prompts(split="eval")
+        loaded = [p if isinstance(p, str) else p.get("prompt") or p.get("text") for p in loaded]
+        loaded = [p for p in loaded if isinstance(p, str) and p.strip()]
+        if loaded:
+            texts, source = loaded, "minispec.data (eval)"
+    except Exception:  # not written yet, or no data file: the built-in list
+        pass
+    return [texts[i % len(texts)] for i in range(num_prompts)], source
+
+
+def encode_prompts(tokenizer, texts: list[str], chat: bool, max_prompt_len: int) -> list[list[int]]:
+    """Token ids of every prompt (chat template when asked and available), keeping the last max_prompt_len."""
+    if tokenizer is None:
+        raise ValueError("the target has no tokenizer; the benchmark needs string prompts")
+    use_chat = chat and bool(getattr(tokenizer, "chat_template", None))
+    out = []
+    for text in texts:
+        if use_chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        out.append([int(t) for t in ids][-max_prompt_len:])
+    return out
+
+
+def batches_of(prompts: list[list[int]], batch_size: int) -> list[list[tuple[int, list[int]]]]:
+    """Split (index, prompt) pairs into batches of batch_size, cycling prompts to fill the last one."""
+    n = math.ceil(len(prompts) / batch_size) * batch_size
+    items = [(i, prompts[i % len(prompts)]) for i in range(n)]
+    return [items[j : j + batch_size] for j in range(0, n, batch_size)]
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters in their stored dtype (shared tensors counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def draft_label(draft: str | None) -> str:
+    if draft is None:
+        return "-"
+    if draft == NGRAM:
+        return NGRAM
+    return os.path.basename(os.path.normpath(draft)) or draft
+
+
+# ---- timing --------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(device: torch.device, mib: int, reps: int = 5) -> float:
+    """Memory bandwidth in GB/s (read + write) of the best of reps copies of a mib-MiB tensor."""
+    n = mib * 2**20 // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)  # [n]
+    dst = torch.empty_like(src)  # [n]
+    dst.copy_(src)  # touch both before timing
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    del src, dst
+    return 2 * n * 4 / best / 1e9
+
+
+def time_forwards(cases: list[tuple], ctx: int, reps: int) -> list[float]:
+    """Median seconds of one forward for each case (runner, batch_size, num_tokens): every request of the
+    batch feeds num_tokens tokens at context ctx. Cases are timed interleaved, so drift hits all alike.
+
+    Writes K/V into slots 0..batch_size-1; call only while the runners' engines have no request running.
+    """
+    prefix = np.random.default_rng(0).integers(0, 100, size=ctx).tolist()
+    for runner in {id(c[0]): c[0] for c in cases}.values():
+        b = max(c[1] for c in cases if c[0] is runner)
+        runner.forward(list(range(b)), [0] * b, [prefix] * b, [1] * b)  # the context's K/V
+    times = [[] for _ in cases]
+    for rep in range(reps + 2):  # the first two are warm-up
+        for case, ts in zip(cases, times):
+            runner, b, n = case
+            sync(runner.device)
+            t = time.perf_counter()
+            runner.forward(list(range(b)), [ctx] * b, [prefix[:n]] * b, [n] * b)
+            sync(runner.device)
+            if rep >= 2:
+                ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
+
+
+# ---- rows ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One (system, method, draft, batch size, temperature) cell; run is None when unsupported."""
+
+    system: str  # "transformers" | "minispec"
+    method: str  # "target-only" | "assisted" | "prompt-lookup" | "speculative"
+    draft: str | None
+    batch_size: int
+    temperature: float
+    run: object = None  # run(batches, max_tokens) -> (tokens, minispec outputs or None)
+    note: str = ""
+    tokens: int = 0
+    seconds: float = 0.0
+    outputs: list = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.system} {self.method} {draft_label(self.draft)} b={self.batch_size} T={self.temperature:g}"
+
+
+def minispec_runner(llm, cfg: BenchConfig, temperature: float):
+    """A row's run function for a minispec LLM: each batch submitted together, seeded per prompt."""
+    from minispec.sampling_params import SamplingParams
+
+    def run(batches, max_tokens):
+        tokens, outputs = 0, []
+        for batch in batches:
+            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                                     seed=cfg.seed + i) for i, _ in batch]
+            outs = llm.generate([p for _, p in batch], params)
+            tokens += sum(len(o.token_ids) for o in outs)
+            outputs += outs
+        return tokens, outputs
+
+    return run
+
+
+def hf_runner(model, pad_id: int, cfg: BenchConfig, temperature: float, **extra):
+    """A row's run function for transformers' generate: left-padded batches with an attention mask."""
+    device = model.device
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+
+    def run(batches, max_tokens):
+        tokens = 0
+        for j, batch in enumerate(batches):
+            width = max(len(p) for _, p in batch)
+            ids = torch.full((len(batch), width), pad_id, dtype=torch.int64)  # [b, width]
+            mask = torch.zeros(len(batch), width, dtype=torch.int64)  # [b, width]
+            for r, (_, p) in enumerate(batch):
+                ids[r, width - len(p) :] = torch.tensor(p)
+                mask[r, width - len(p) :] = 1
+            torch.manual_seed(cfg.seed + j)
+            with torch.inference_mode():
+                out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_tokens,
+                                     min_new_tokens=max_tokens, pad_token_id=pad_id, **sampling, **extra)
+            tokens += (out.shape[1] - width) * len(batch)
+        return tokens, None
+
+    return run
+
+
+def build_rows(cfg: BenchConfig, hf_target, hf_drafts: dict, llms: dict, pad_id: int) -> list[Row]:
+    """Every row in table order: transformers first, then minispec; batch size, then temperature."""
+    rows = []
+    for b in cfg.batch_sizes:
+        for t in cfg.temperatures:
+            rows.append(Row("transformers", "target-only", None, b, t, hf_runner(hf_target, pad_id, cfg, t)))
+            for d in cfg.drafts:
+                if d == NGRAM:
+                    method, extra = "prompt-lookup", dict(prompt_lookup_num_tokens=cfg.k,
+                                                          max_matching_ngram_size=NGRAM_N[1])
+                else:
+                    method, extra = "assisted", dict(assistant_model=hf_drafts[d])
+                run = hf_runner(hf_target, pad_id, cfg, t, **extra) if b == 1 else None
+                rows.append(Row("transformers", method, d, b, t, run, "" if b == 1 else "batch 1 only"))
+    for b in cfg.batch_sizes:
+        for t in cfg.temperatures:
+            rows.append(Row("minispec", "target-only", None, b, t, minispec_runner(llms[None], cfg, t)))
+            for d in cfg.drafts:
+                rows.append(Row("minispec", "speculative", d, b, t, minispec_runner(llms[d], cfg, t)))
+    return rows
+
+
+def per_token_acceptance(m: dict, num_tokens: int, num_requests: int, k: int) -> float:
+    """alpha: maximum-likelihood i.i.d. per-draft acceptance from the accept counts.
+
+    Each decode verification is a run of Bernoulli trials that stops at the first rejection or after
+    k acceptances; a verification without any draft (an n-gram miss) counts as a rejection at draft 1.
+    Decode verifications = generated tokens - one per request (the prefill) - accepted drafts.
+    """
+    accepted = m["num_accepted_tokens"]
+    all_k = m["accepted_per_position"][k - 1] if len(m["accepted_per_position"]) >= k else 0
+    steps = max(m["num_drafts"], num_tokens - num_requests - accepted)
+    trials = accepted + steps - all_k
+    return accepted / trials if trials > 0 else 0.0
+
+
+def predicted_speedup(alpha: float, k: int, c: float, verify_ratio: float) -> float:
+    """Expected tokens per verification / cost of one draft-and-verify step in target forwards."""
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + verify_ratio)
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Load everything, warm up, measure bandwidth and cost ratios, run the rounds; the result as a dict."""
+    import transformers
+    from tqdm import tqdm
+
+    from minispec.llm import LLM, aggregate_metrics
+    from minispec.utils import parse_dtype
+
+    check_config(cfg)
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    dtype = parse_dtype(cfg.dtype)
+    t_load = time.perf_counter()
+
+    # The target-only LLM first: it settles the device every other model goes to.
+    max_b = max(cfg.batch_sizes)
+    device = torch.device(cfg.device) if cfg.device else None
+    hf_target, tokenizer = load_hf(cfg.target, dtype, device or torch.device("cpu"))
+    max_pos = getattr(hf_target.config, "max_position_embeddings", None) or 2048
+    texts, prompt_source = load_prompt_texts(cfg.num_prompts)
+    prompts = encode_prompts(tokenizer, texts, cfg.chat, min(max_pos, 2048) - cfg.max_tokens - cfg.k - 2)
+    max_len = max(len(p) for p in prompts) + cfg.max_tokens + 1
+    common = dict(num_speculative_tokens=cfg.k, max_num_seqs=max_b, dtype=cfg.dtype, max_model_len=max_len,
+                  seed=cfg.seed, device=cfg.device, max_num_batched_tokens=max(2048, max_b * max_len))
+    llms = {None: LLM(cfg.target, None, **common)}
+    device = llms[None].device
+    hf_target = hf_target.to(device)
+    for d in cfg.drafts:
+        llms[d] = LLM(cfg.target, d, ngram_n=NGRAM_N, **common)
+    hf_drafts = {}
+    for d in cfg.drafts:
+        if d != NGRAM:
+            model, _ = load_hf(d, dtype, device)
+            # Fixed k drafts per step, like minispec: no heuristic schedule, no early stop on confidence.
+            model.generation_config.num_assistant_tokens = cfg.k
+            model.generation_config.num_assistant_tokens_schedule = "constant"
+            model.generation_config.assistant_confidence_threshold = 0.0
+            hf_drafts[d] = model
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    load_s = time.perf_counter() - t_load
+
+    rows = build_rows(cfg, hf_target, hf_drafts, llms, pad_id)
+    runnable = [r for r in rows if r.run is not None]
+    batches = {b: batches_of(prompts, b) for b in cfg.batch_sizes}
+    bar = tqdm(total=len(runnable) * (cfg.rounds + 1), desc="bench", unit="run", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+
+    # Warm-up: every row once, one batch, a few tokens.
+    for row in runnable:
+        bar.set_postfix_str(f"warm-up {row.label}", refresh=False)
+        row.run(batches[row.batch_size][:1], min(cfg.max_tokens, 8))
+        bar.update(1)
+
+    # Machine figures: bandwidth, and minispec's forward cost ratios at each batch size.
+    bandwidth = measure_bandwidth(device, cfg.bandwidth_mib)
+    ctx = min(int(np.mean([len(p) for p in prompts])) + cfg.max_tokens // 2, max_len - 1)
+    target_runner = llms[None].engine.target
+    decode_s, verify_s, draft_s = {}, {}, {d: {} for d in cfg.drafts if d != NGRAM}
+    for b in cfg.batch_sizes:
+        bar.set_postfix_str(f"cost ratios b={b}", refresh=True)
+        cases = [(target_runner, b, 1), (target_runner, b, cfg.k + 1)]
+        cases += [(llms[d].engine.proposer.runner, b, 1) for d in draft_s]
+        decode_s[b], verify_s[b], *per_draft = time_forwards(cases, ctx, cfg.cost_reps)
+        for d, s in zip(draft_s, per_draft):
+            draft_s[d][b] = s
+
+    # The rounds: every row once per round, the order reversed every other round.
+    for rnd in range(cfg.rounds):
+        order = runnable if rnd % 2 == 0 else runnable[::-1]
+        for row in order:
+            bar.set_postfix_str(f"round {rnd + 1} {row.label}", refresh=False)
+            sync(device)
+            t = time.perf_counter()
+            n, outs = row.run(batches[row.batch_size], cfg.max_tokens)
+            sync(device)
+            row.seconds += time.perf_counter() - t
+            row.tokens += n
+            if outs:
+                row.outputs += outs
+            bar.update(1)
+    bar.close()
+
+    # Results.
+    tok_s = {id(r): r.tokens / r.seconds if r.run is not None and r.seconds > 0 else None for r in rows}
+    hf_base = {(r.batch_size, r.temperature): tok_s[id(r)] for r in rows
+               if r.system == "transformers" and r.method == "target-only"}
+    ms_base = {(r.batch_size, r.temperature): tok_s[id(r)] for r in rows
+               if r.system == "minispec" and r.method == "target-only"}
+    out_rows = []
+    for r in rows:
+        ts = tok_s[id(r)]
+        key = (r.batch_size, r.temperature)
+        d = dict(system=r.system, method=r.method, draft=r.draft, batch_size=r.batch_size,
+                 temperature=r.temperature, tokens=r.tokens, seconds=r.seconds, tok_s=ts,
+                 ratio_vs_transformers=ts / hf_base[key] if ts and hf_base.get(key) else None,
+                 acceptance_rate=None, mean_accepted_length=None, alpha=None, draft_cost_ratio=None,
+                 verify_ratio=None, measured_speedup=None, predicted_speedup=None, engine_efficiency=None,
+                 note=r.note)
+        if r.system == "minispec" and r.method == "speculative" and r.outputs:
+            m = aggregate_metrics(r.outputs)
+            alpha = per_token_acceptance(m, r.tokens, len(r.outputs), cfg.k)
+            c = 0.0 if r.draft == NGRAM else draft_s[r.draft][r.batch_size] / decode_s[r.batch_size]
+            v = verify_s[r.batch_size] / decode_s[r.batch_size]
+            pred = predicted_speedup(alpha, cfg.k, c, v)
+            meas = ts / ms_base[key] if ts and ms_base.get(key) else None
+            d.update(acceptance_rate=m["acceptance_rate"], mean_accepted_length=m["mean_accepted_length"],
+                     alpha=alpha, draft_cost_ratio=c, verify_ratio=v, measured_speedup=meas, predicted_speedup=pred,
+                     engine_efficiency=meas / pred if meas else None, num_drafts=m["num_drafts"],
+                     num_draft_tokens=m["num_draft_tokens"], num_accepted_tokens=m["num_accepted_tokens"],
+                     accepted_per_position=m["accepted_per_position"])
+        out_rows.append(d)
+
+    bytes_per_token = param_bytes(llms[None].target.model)
+    roofline = bandwidth * 1e9 / bytes_per_token
+    b1 = min(cfg.batch_sizes)
+    t0 = min(cfg.temperatures)
+    ms_b1, hf_b1 = ms_base.get((b1, t0)), hf_base.get((b1, t0))
+    return {
+        "config": asdict(cfg),
+        "prompts": {"source": prompt_source, "num": len(prompts), "mean_len": float(np.mean([len(p) for p in prompts])),
+                    "chat": cfg.chat and bool(getattr(tokenizer, "chat_template", None))},
+        "machine": {
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+            or platform.machine(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "load_s": load_s,
+        },
+        "roofline": {
+            "bandwidth_gb_s": bandwidth,
+            "bytes_per_token": bytes_per_token,
+            "dtype": cfg.dtype,
+            "roofline_tok_s": roofline,
+            "batch_size": b1,
+            "temperature": t0,
+            "minispec_tok_s": ms_b1,
+            "minispec_fraction": ms_b1 / roofline if ms_b1 else None,
+            "transformers_tok_s": hf_b1,
+            "transformers_fraction": hf_b1 / roofline if hf_b1 else None,
+        },
+        "costs": {
+            "context": ctx,
+            "target_decode_s": {str(b): s for b, s in decode_s.items()},
+            "verify_ratio": {str(b): verify_s[b] / decode_s[b] for b in decode_s},
+            # n-gram lookup runs no forward: c = 0 (its host-side cost shows in the engine efficiency).
+            "draft_cost_ratio": {d: {str(b): 0.0 for b in cfg.batch_sizes} if d == NGRAM else
+                                 {str(b): s / decode_s[b] for b, s in draft_s[d].items()} for d in cfg.drafts},
+        },
+        "rows": out_rows,
+    }
+
+
+# ---- printing ------------------------------------------------------------------------------
+
+COLUMNS = [  # header, width, key, format
+    ("system", 28, None, None),
+    ("draft", 14, "draft", None),
+    ("b", 3, "batch_size", "{:d}"),
+    ("T", 4, "temperature", "{:g}"),
+    ("tok/s", 9, "tok_s", "{:.1f}"),
+    ("vs HF", 7, "ratio_vs_transformers", "{:.2f}x"),
+    ("accept", 7, "acceptance_rate", "{:.3f}"),
+    ("mean acc", 8, "mean_accepted_length", "{:.2f}"),
+    ("alpha", 6, "alpha", "{:.3f}"),
+    ("c", 6, "draft_cost_ratio", "{:.3f}"),
+    ("verify", 6, "verify_ratio", "{:.2f}"),
+    ("speedup", 7, "measured_speedup", "{:.2f}x"),
+    ("pred", 7, "predicted_speedup", "{:.2f}x"),
+    ("eff", 5, "engine_efficiency", "{:.2f}"),
+]
+
+
+def _cell(row: dict, key, fmt) -> str:
+    if key is None:
+        return f"{row['system']} {row['method']}"
+    if key == "draft":
+        return draft_label(row["draft"])
+    value = row.get(key)
+    if value is None:
+        return "n/a" if key in ("tok_s", "ratio_vs_transformers") and row["note"] else "-"
+    return fmt.format(value) if fmt else str(value)
+
+
+def format_table(result: dict) -> str:
+    """The result as a plain-text report: header figures, the rows, footnotes."""
+    cfg, roof, costs, mach = result["config"], result["roofline"], result["costs"], result["machine"]
+    lines = [
+        f"minispec bench: target {cfg['target']}, drafts {', '.join(cfg['drafts']) or '-'}, k={cfg['k']}, "
+        f"{cfg['max_tokens']} tokens x {result['prompts']['num']} prompts ({result['prompts']['source']}, "
+        f"mean {result['prompts']['mean_len']:.0f} tokens), {cfg['rounds']} round(s), {cfg['dtype']}, "
+        f"device {mach['device']} ({mach['device_name']}, torch threads={mach['torch_threads']})",
+        f"memory bandwidth {roof['bandwidth_gb_s']:.1f} GB/s (copy, read+write); target {roof['bytes_per_token'] / 1e6:.1f} MB "
+        f"per token -> roofline {roof['roofline_tok_s']:.1f} tok/s at batch 1",
+    ]
+    if roof["minispec_tok_s"]:
+        lines.append(
+            f"batch {roof['batch_size']}, T={roof['temperature']:g}: minispec target-only {roof['minispec_tok_s']:.1f} tok/s "
+            f"= {100 * roof['minispec_fraction']:.0f}% of roofline; transformers {roof['transformers_tok_s']:.1f} tok/s "
+            f"= {100 * roof['transformers_fraction']:.0f}%"
+        )
+    verify = ", ".join(f"b={b}: {v:.2f}" for b, v in costs["verify_ratio"].items())
+    lines.append(f"verify cost ratio ({cfg['k'] + 1}-token / 1-token target forward, context {costs['context']}): {verify}")
+    for d, per_b in costs["draft_cost_ratio"].items():
+        text = ", ".join(f"b={b}: {c:.3f}" for b, c in per_b.items())
+        if d == NGRAM:
+            text = "0 (no forward: host-side lookup; its cost shows in eff)"
+        lines.append(f"draft cost ratio c ({draft_label(d)} / target 1-token forward): {text}")
+    lines.append("")
+    header = " ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w, _, _) in enumerate(COLUMNS))
+    lines += [header, "-" * len(header)]
+    for row in result["rows"]:
+        cells = [_cell(row, key, fmt) for _, _, key, fmt in COLUMNS]
+        lines.append(" ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w, _, _)) in enumerate(zip(cells, COLUMNS))))
+    lines += [
+        "",
+        f"n/a: {HF_BATCH1_NOTE}.",
+        "vs HF: tok/s over transformers target-only at the same batch size and temperature. speedup: over minispec "
+        "target-only (same b, T).",
+        "accept: accepted / drafted tokens; mean acc: tokens per verification with drafts; alpha: per-token "
+        "acceptance (MLE, n-gram misses count as rejections).",
+        "pred = (1 - alpha^(k+1)) / (1 - alpha) / (k*c + verify); eff = speedup / pred (1.0: the engine loses nothing "
+        "beyond the forwards).",
+    ]
+    return "\n".join(lines)
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m minispec.bench",
+        description="Benchmark minispec against transformers (generate, assisted generation, prompt lookup) "
+        "on the same prompts and models, systems alternated per round.",
+    )
+    p.add_argument("--config", default=None, help="TOML file (see configs/bench-*.toml); flags override it")
+    p.add_argument("--quick", action="store_true", help="smoke test: 8 tokens, 2 prompts, batch 1, one round")
+    p.add_argument("--target", default=None, help=f"target model spec (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", action="append", default=None,
+                   help="a draft: model spec or 'ngram' (repeatable; replaces the config's drafts; 'none' for none)")
+    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None)
+    p.add_argument("--batch-sizes", type=_csv(int), default=None, help="e.g. 1,4,16")
+    p.add_argument("--temperatures", type=_csv(float), default=None, help="e.g. 0,0.8")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the target's chat template (default: on)")
+    p.add_argument("--cost-reps", type=int, default=None, help="timed forwards per cost-ratio measurement")
+    p.add_argument("--bandwidth-mib", type=int, default=None, help="tensor size of the bandwidth copy")
+    p.add_argument("--out", default=None, metavar="FILE", help="write the result as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    return p
+
+
+def config_from_args(args) -> BenchConfig:
+    """Defaults < --config file < --quick < explicit flags."""
+    cfg = load_config(args.config)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(cfg, key, value)
+    if args.draft is not None:
+        cfg.drafts = [d for d in args.draft if d.lower() != "none"]
+    for name in ("target", "k", "batch_sizes", "temperatures", "max_tokens", "num_prompts", "rounds", "seed",
+                 "dtype", "device", "threads", "chat", "cost_reps", "bandwidth_mib"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(cfg, name, value)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        check_config(cfg)
+    except (OSError, ValueError, tomllib.TOMLDecodeError) as e:
+        parser.error(str(e))
+    result = run_bench(cfg, progress=not args.no_progress)
+    print(format_table(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

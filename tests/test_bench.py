@@ -1,0 +1,169 @@
+"""python -m minispec.bench: a --quick run on tiny models (table + JSON), config precedence, the efficiency math."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+
+from minispec import bench
+from tests.utils import make_tiny_model_dir, requires_smollm2
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+K = 4
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One --quick run: a tiny target, a draft dir with the same weights, and n-gram lookup."""
+    root = tmp_path_factory.mktemp("bench")
+    target = make_tiny_model_dir(str(root / "target"), with_tokenizer=True)
+    draft = make_tiny_model_dir(str(root / "draft"), with_tokenizer=True)  # same seed: the target's twin
+    out = root / "bench.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run(
+        [sys.executable, "-m", "minispec.bench", "--quick", "--target", target, "--draft", draft, "--draft", "ngram",
+         "-k", str(K), "--max-tokens", str(MAX_TOKENS), "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, json.loads(out.read_text()), target, draft
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_quick_run_table_and_json(quick_run):
+    r, result, target, draft = quick_run
+    rows = result["rows"]
+    keys = {(x["system"], x["method"], x["draft"], x["batch_size"], x["temperature"]) for x in rows}
+    expected = set()
+    for t in (0.0, 0.8):
+        expected |= {("transformers", "target-only", None, 1, t), ("transformers", "assisted", draft, 1, t),
+                     ("transformers", "prompt-lookup", "ngram", 1, t), ("minispec", "target-only", None, 1, t),
+                     ("minispec", "speculative", draft, 1, t), ("minispec", "speculative", "ngram", 1, t)}
+    assert keys == expected and len(rows) == len(expected)
+    num_prompts = result["prompts"]["num"]
+    for x in rows:
+        assert x["tok_s"] > 0 and x["seconds"] > 0, x
+        assert x["tokens"] == num_prompts * MAX_TOKENS, x  # same work for every system (ignore_eos)
+        assert x["ratio_vs_transformers"] == pytest.approx(x["tok_s"] / next(
+            y["tok_s"] for y in rows if y["system"] == "transformers" and y["method"] == "target-only"
+            and y["temperature"] == x["temperature"]))
+    for x in rows:
+        if x["method"] != "speculative":
+            assert x["alpha"] is None and x["engine_efficiency"] is None
+            continue
+        assert 0.0 <= x["alpha"] <= 1.0 and 0.0 <= x["acceptance_rate"] <= 1.0
+        assert x["verify_ratio"] > 0 and x["predicted_speedup"] > 0 and x["engine_efficiency"] > 0
+        assert x["measured_speedup"] > 0
+        if x["draft"] == "ngram":
+            assert x["draft_cost_ratio"] == 0.0
+        else:
+            assert x["draft_cost_ratio"] > 0
+            # The draft is the target's twin: every draft is accepted, so alpha is exactly 1.
+            assert x["acceptance_rate"] == 1.0 and x["alpha"] == 1.0
+            assert x["predicted_speedup"] == pytest.approx((K + 1) / (K * x["draft_cost_ratio"] + x["verify_ratio"]))
+
+    roof = result["roofline"]
+    assert roof["bandwidth_gb_s"] > 0 and roof["roofline_tok_s"] > 0
+    # Parameter bytes of the tiny float32 target, counted from transformers' copy of it.
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target)
+    assert roof["bytes_per_token"] == sum(p.numel() * 4 for p in hf.parameters())
+    assert roof["roofline_tok_s"] == pytest.approx(roof["bandwidth_gb_s"] * 1e9 / roof["bytes_per_token"])
+    assert roof["minispec_fraction"] == pytest.approx(roof["minispec_tok_s"] / roof["roofline_tok_s"])
+    assert set(result["costs"]["verify_ratio"]) == {"1"}
+    assert result["costs"]["draft_cost_ratio"]["ngram"] == {"1": 0.0}
+    assert result["costs"]["draft_cost_ratio"][draft]["1"] > 0
+
+    # The table: header, one line per row, the roofline and cost lines.
+    for needle in ("tok/s", "vs HF", "eff", "memory bandwidth", "roofline", "verify cost ratio",
+                   "draft cost ratio", "transformers assisted", "transformers prompt-lookup", "minispec speculative"):
+        assert needle in r.stdout, needle
+    row_lines = [line for line in r.stdout.splitlines()
+                 if re.match(r"(transformers|minispec) (target-only|assisted|prompt-lookup|speculative) ", line)]
+    assert len(row_lines) == len(rows)
+
+
+def _cfg(**kw):
+    cfg = bench.BenchConfig(drafts=["ngram", "/some/draft"], batch_sizes=[1, 4], temperatures=[0.0, 0.8])
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_rows_transformers_spec_batch1_only():
+    """Assisted generation and prompt lookup rows exist at every batch size but only run at batch 1."""
+    cfg = _cfg()
+    model = types.SimpleNamespace(device="cpu")
+    rows = bench.build_rows(cfg, model, {"/some/draft": model}, {None: None, "ngram": None, "/some/draft": None}, 0)
+    assert len(rows) == 2 * 2 * (3 + 3)
+    for r in rows:
+        hf_spec = r.system == "transformers" and r.method != "target-only"
+        assert (r.run is None) == (hf_spec and r.batch_size > 1), r.label
+        assert (r.note == "batch 1 only") == (r.run is None)
+    table_rows = [dict(system=r.system, method=r.method, draft=r.draft, batch_size=r.batch_size,
+                       temperature=r.temperature, note=r.note, tok_s=None if r.run is None else 10.0) for r in rows]
+    for col in bench.COLUMNS:
+        for x in table_rows:
+            bench._cell(x, col[2], col[3])
+    na = [x for x in table_rows if x["tok_s"] is None]
+    assert na and all(bench._cell(x, "tok_s", "{:.1f}") == "n/a" for x in na)
+
+
+def test_config_precedence(tmp_path):
+    """Defaults < TOML < --quick < flags; unknown TOML keys are an error."""
+    f = tmp_path / "c.toml"
+    f.write_text('target = "a"\ndrafts = ["ngram", "d"]\nk = 3\nmax_tokens = 50\nrounds = 5\n')
+    args = bench.build_parser().parse_args(["--config", str(f), "--quick", "--max-tokens", "7", "--batch-sizes", "1,2"])
+    cfg = bench.config_from_args(args)
+    assert (cfg.target, cfg.drafts, cfg.k) == ("a", ["ngram", "d"], 3)  # from the file
+    assert (cfg.rounds, cfg.num_prompts) == (1, 2)  # --quick over the file
+    assert (cfg.max_tokens, cfg.batch_sizes) == (7, [1, 2])  # flags over --quick
+    args = bench.build_parser().parse_args(["--config", str(f), "--draft", "none", "--temperatures", "0.5"])
+    cfg = bench.config_from_args(args)
+    assert cfg.drafts == [] and cfg.temperatures == [0.5] and cfg.max_tokens == 50
+    f.write_text("batch_size = 4\n")
+    with pytest.raises(ValueError, match="unknown key"):
+        bench.load_config(str(f))
+    with pytest.raises(ValueError, match="batch_sizes"):
+        bench.check_config(_cfg(batch_sizes=[0]))
+
+
+@pytest.mark.parametrize("name", ["bench-smollm2.toml", "bench-quick.toml"])
+def test_shipped_configs_parse(name):
+    cfg = bench.load_config(os.path.join(ROOT, "configs", name))
+    bench.check_config(cfg)
+    assert cfg.target == "smollm2-135m-instruct" and cfg.drafts == ["ngram"]
+    if name == "bench-smollm2.toml":
+        assert cfg.batch_sizes == [1, 4, 16] and cfg.temperatures == [0.0, 0.8]
+
+
+def test_alpha_and_prediction():
+    k = 4
+    # Two verifications: one accepted all 4, one accepted 1 then rejected -> 5 successes, 1 failure.
+    m = {"num_accepted_tokens": 5, "num_drafts": 2, "accepted_per_position": [2, 1, 1, 1]}
+    # 1 request: prefill token + (1 + 4) + (1 + 1) = 8 tokens.
+    assert bench.per_token_acceptance(m, 8, 1, k) == pytest.approx(5 / 6)
+    # An n-gram miss (a verification without drafts) adds a rejection: 9 tokens, 3 verifications.
+    assert bench.per_token_acceptance(m, 9, 1, k) == pytest.approx(5 / 7)
+    none = {"num_accepted_tokens": 0, "num_drafts": 3, "accepted_per_position": [0] * k}
+    assert bench.per_token_acceptance(none, 4, 1, k) == 0.0
+    assert bench.predicted_speedup(0.0, k, 0.1, 1.2) == pytest.approx(1 / (0.4 + 1.2))
+    assert bench.predicted_speedup(1.0, k, 0.0, 1.0) == pytest.approx(k + 1)
+    a = 0.7
+    assert bench.predicted_speedup(a, k, 0.05, 1.1) == pytest.approx(sum(a**i for i in range(k + 1)) / (k * 0.05 + 1.1))
+    assert math.isfinite(bench.predicted_speedup(0.999999, k, 0.0, 1.0))
+
+
+def test_batches_cycle_prompts():
+    prompts = [[1], [2], [3]]
+    b = bench.batches_of(prompts, 2)
+    assert [[i for i, _ in x] for x in b] == [[0, 1], [2, 3]]
+    assert b[1][1][1] == [1]  # index 3 cycles back to prompt 0
+    assert [len(x) for x in bench.batches_of(prompts, 16)] == [16]
