@@ -4,11 +4,38 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the TP group failed or timed out: another rank died, stalled or left.
+
+    The message is one line naming the operation, this rank, the cause and the timeout.
+    """
+
+
+def _collective_failed(op: str, e: BaseException) -> CollectiveError:
+    """A CollectiveError describing a backend's exception from collective `op` in one line."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    cause = lines[0] if lines else type(e).__name__
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", cause)  # gloo's "[path/to/file.cc:123] " prefix
+    cause = cause.split(". This is typically")[0].rstrip(". ")
+    if len(cause) > 200:
+        cause = cause[:197] + "..."
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return CollectiveError(
+        f"rank {rank}/{world}: {op} failed ({cause}); another rank may have died or stalled "
+        f"(collective timeout {_TIMEOUT_S:g} s, set by MINISPEC_DIST_TIMEOUT)"
+    )
 
 
 @dataclass(slots=True)
@@ -23,10 +50,14 @@ class TPGroup:
     def is_first_rank(self) -> bool:
         return self.rank_in_group == 0
 
+    # Every collective raises CollectiveError (one line) when a peer dies or the timeout passes.
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over ranks in place; returns x."""
         if self.world_size > 1:
-            dist.all_reduce(x)
+            try:
+                dist.all_reduce(x)
+            except RuntimeError as e:
+                raise _collective_failed("all_reduce", e) from e
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -34,7 +65,10 @@ class TPGroup:
         if self.world_size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous())
+        try:
+            dist.all_gather(parts, x.contiguous())
+        except RuntimeError as e:
+            raise _collective_failed("all_gather", e) from e
         return torch.cat(parts, dim=dim)
 
     def all_to_all(
@@ -44,30 +78,41 @@ class TPGroup:
         if self.world_size == 1:
             return x
         out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
+        try:
+            dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
+        except RuntimeError as e:
+            raise _collective_failed("all_to_all", e) from e
         return out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copy rank src's x to every rank, in place; returns x."""
         if self.world_size > 1:
-            dist.broadcast(x, src)
+            try:
+                dist.broadcast(x, src)
+            except RuntimeError as e:
+                raise _collective_failed("broadcast", e) from e
         return x
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier()
+            try:
+                dist.barrier()
+            except RuntimeError as e:
+                raise _collective_failed("barrier", e) from e
 
 
 _TP_GROUP = TPGroup()
+_TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 
 def init_distributed(timeout_s: float | None = None) -> TPGroup:
     """Join torchrun's job (gloo on CPU, nccl on CUDA), or set up a single-rank group outside torchrun.
 
     Idempotent. ``timeout_s`` (default: $MINISPEC_DIST_TIMEOUT or 300) bounds every collective, so a
-    dead rank ends the job with an error instead of a hang.
+    dead or stalled rank ends the job with a CollectiveError instead of a hang. (gloo raises it on
+    the surviving ranks; NCCL's watchdog aborts the process after the timeout instead.)
     """
-    global _TP_GROUP
+    global _TP_GROUP, _TIMEOUT_S
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,7 +120,14 @@ def init_distributed(timeout_s: float | None = None) -> TPGroup:
         return _TP_GROUP
     if not dist.is_initialized():
         if timeout_s is None:
-            timeout_s = float(os.environ.get("MINISPEC_DIST_TIMEOUT", "300"))
+            env = os.environ.get("MINISPEC_DIST_TIMEOUT", str(DEFAULT_TIMEOUT_S))
+            try:
+                timeout_s = float(env)
+            except ValueError:
+                raise ValueError(f"MINISPEC_DIST_TIMEOUT must be a number of seconds, got {env!r}") from None
+        if not timeout_s > 0:
+            raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
+        _TIMEOUT_S = timeout_s
         use_cuda = torch.cuda.is_available()
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

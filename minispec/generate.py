@@ -47,10 +47,16 @@ def read_prompts(args, parser) -> list[str]:
     if args.prompt_file:
         if not os.path.isfile(args.prompt_file):
             parser.error(f"prompt file not found: {args.prompt_file}")
-        with open(args.prompt_file) as f:
-            text = f.read()
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            parser.error(f"cannot read prompt file {args.prompt_file}: {e}")
         if args.prompt_file.endswith(".json"):
-            loaded = json.loads(text)
+            try:
+                loaded = json.loads(text)
+            except ValueError as e:
+                parser.error(f"{args.prompt_file}: invalid JSON ({e})")
             if not isinstance(loaded, list) or not all(isinstance(x, str) for x in loaded):
                 parser.error(f"{args.prompt_file}: expected a JSON list of strings")
             prompts += loaded
@@ -63,10 +69,37 @@ def read_prompts(args, parser) -> list[str]:
     return prompts
 
 
+def check_args(args, parser) -> None:
+    """parser.error (exit 2, one line) on sizes that make no sense, before anything loads."""
+    for flag, value, low in (("--tp", args.tp, 1), ("--max-num-seqs", args.max_num_seqs, 1),
+                             ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+                             ("--max-model-len", args.max_model_len, 2)):
+        if value is not None and value < low:
+            parser.error(f"{flag} must be >= {low}, got {value}")
+    if args.output_json:
+        folder = os.path.dirname(os.path.abspath(args.output_json))
+        if not os.path.isdir(folder):
+            parser.error(f"--output-json: folder not found: {folder}")
+        if os.path.isdir(args.output_json):
+            parser.error(f"--output-json: {args.output_json} is a folder")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_args(args, parser)
     prompts = read_prompts(args, parser)
+    from minispec.distributed import CollectiveError
+
+    try:
+        return run(args, parser, prompts)
+    except CollectiveError as e:  # a rank died or stalled: one line on every surviving rank
+        print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def run(args, parser, prompts: list[str]) -> int:
+    """Build the LLM, generate (streaming if asked), print and save the results."""
     from minispec.sampling_params import SamplingParams
 
     try:
@@ -145,8 +178,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"tp={tp}): {rows} rows, {cache.nbytes / 2**20:.2f} MiB per rank "
                   f"(replicated: {llm.engine.config.max_num_seqs} rows, {rep / 2**20:.2f} MiB)")
         if args.output_json:
-            with open(args.output_json, "w") as f:
-                json.dump([o.as_dict() for o in outputs], f, indent=1)
+            try:
+                with open(args.output_json, "w") as f:
+                    json.dump([o.as_dict() for o in outputs], f, indent=1)
+            except OSError as e:
+                print(f"{parser.prog}: error: cannot write {args.output_json}: {e}", file=sys.stderr)
+                return 1
     return 0
 
 

@@ -1,7 +1,13 @@
 """Per-request sampling settings and their validation."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+
+
+def _is_int(x) -> bool:
+    """An integer of any kind (int, numpy integer), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass(slots=True)
@@ -25,20 +31,29 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError (one line, naming the field) on settings that make no sense."""
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         if not self.temperature >= 0.0 or self.temperature != self.temperature:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.temperature == float("inf"):
             raise ValueError("temperature must be finite")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        self.top_k, self.max_tokens = int(self.top_k), int(self.max_tokens)
+        self.seed = None if self.seed is None else int(self.seed)
         if self.stop_token_ids is not None:
-            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+            ids = list(self.stop_token_ids)
+            if not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"stop_token_ids must be integers >= 0, got {ids!r}")
+            self.stop_token_ids = [int(t) for t in ids]
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,415 @@
+"""Property-based fuzzing of the engine on tiny models (hypothesis).
+
+Random arrivals (requests added between steps), prompt lengths, token budgets that force skips and
+chunked prefills, aborts, per-request k, sampling settings, proposer (draft model / n-gram / none) and
+draft-logits cache layout (sharded / replicated). Invariants checked on every example:
+
+* greedy outputs equal target-only greedy of the same prompt (cut at max_tokens, a stop token, the
+  context); an aborted request's output is a prefix of it;
+* a seeded sampled request with no stale drafts gives the tokens it gives alone with no skips;
+* no stale draft and no placeholder draft is ever accepted, and accepted tokens are the drafts (checked
+  on every call of the rejection sampler, which the engine module is made to call through a wrapper);
+* no token lost or duplicated: step deltas concatenate to the final output; its length is max_tokens
+  unless stopped, aborted or at the context's end;
+* every request ends ("length", "stop" or "abort"); the engine then holds nothing and every slot is free;
+* metrics add up: accepted <= drafted - stale, drafted <= drafts * k, sum(accepted_per_position) ==
+  accepted (non-increasing), mean accepted length == 1 + accepted / drafts.
+
+The LLMs are built once per module and reused (the engine is reusable); the scheduler's token budget
+and a per-request k (Engine.k_policy) are set per example. MINISPEC_FUZZ_SCALE scales the number of
+examples; runs are derandomized so the suite is deterministic.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import minispec.engine.engine as engine_mod
+from minispec import LLM, SamplingParams
+from tests.utils import make_tiny_model_dir
+
+MAX_MODEL_LEN = 48
+MAX_NUM_SEQS = 4
+EOS = 2  # the tiny checkpoints' eos_token_id
+STALE_VARIANTS = ["self-sharded", "ngram-sharded", "draft-sharded"]
+SCALE = float(os.environ.get("MINISPEC_FUZZ_SCALE", "1"))  # multiplies every test's number of examples
+
+
+def fuzz(examples: int, num_params: int):
+    """Hypothesis settings: `examples` (times MINISPEC_FUZZ_SCALE) derandomized examples per parameter."""
+    n = max(1, round(examples * SCALE))
+    EXPECTED["examples"] += n * num_params
+    EXPECTED["tests"] += num_params
+    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# name -> (draft: None / "target" (its own draft) / "draft" / "ngram", k, sharded cache)
+VARIANTS = {
+    "none": (None, 0, False),
+    "draft-replicated": ("draft", 4, False),
+    "draft-sharded": ("draft", 4, True),
+    "self-sharded": ("target", 3, True),
+    "self-replicated": ("target", 3, False),
+    "ngram-replicated": ("ngram", 4, False),
+    "ngram-sharded": ("ngram", 3, True),
+}
+
+STATS: Counter = Counter()  # what the examples exercised and how many checks they passed
+EXPECTED: Counter = Counter()
+RAN: set[str] = set()  # the parametrized fuzz tests that ran (the tally needs them all)
+_ids = itertools.count()
+
+
+# ---- the rejection-sampler spy --------------------------------------------------------------------
+
+
+def check_verdict(draft_tokens, stale, cu, tokens, num_sampled) -> None:
+    """No stale or placeholder draft accepted; accepted tokens are the drafts; counts in range."""
+    draft_tokens, cu = draft_tokens.cpu(), cu.cpu()
+    tokens, num_sampled = tokens.cpu(), num_sampled.cpu()
+    stale = stale.cpu() if stale is not None else None
+    for i in range(cu.shape[0] - 1):
+        start, end = int(cu[i]), int(cu[i + 1])
+        num_drafts = end - start - 1
+        accepted = int(num_sampled[i]) - 1
+        assert 0 <= accepted <= num_drafts
+        drafts = draft_tokens[start : start + num_drafts]
+        assert tokens[i, :accepted].tolist() == drafts[:accepted].tolist()
+        assert bool((drafts[:accepted] >= 0).all()), "a placeholder draft (-1) was accepted"
+        if stale is not None:
+            assert not bool(stale[start : start + accepted].any()), "a stale draft was accepted"
+            STATS["stale draft rows seen"] += int(stale[start : start + num_drafts].sum())
+        assert int(tokens[i, accepted]) >= 0
+        assert bool((tokens[i, accepted + 1 :] == -1).all())
+        STATS["checks: rejection-sampler verdicts"] += 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def spy_rejection_sampler():
+    """The engine calls the rejection sampler through check_verdict for the whole module."""
+    real = engine_mod.rejection_sample
+
+    def spy(logits, draft_logits, draft_tokens, stale, cu, *args, **kwargs):
+        verdict = real(logits, draft_logits, draft_tokens, stale, cu, *args, **kwargs)
+        check_verdict(draft_tokens, stale, cu, verdict[0], verdict[1])
+        return verdict
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_mod, "rejection_sample", spy)
+        yield
+
+
+# ---- models and references ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llms(tmp_path_factory):
+    target = make_tiny_model_dir(str(tmp_path_factory.mktemp("fz_target")), seed=0)
+    draft = make_tiny_model_dir(str(tmp_path_factory.mktemp("fz_draft")), seed=1, num_hidden_layers=1)
+    out = {}
+    for name, (kind, k, sharded) in VARIANTS.items():
+        spec = {"draft": draft, "target": target, "ngram": "ngram", None: None}[kind]
+        llm = LLM(target=target, draft=spec, num_speculative_tokens=max(k, 1), max_num_seqs=MAX_NUM_SEQS,
+                  max_model_len=MAX_MODEL_LEN, shard_draft_logits=sharded, seed=0, ngram_n=(1, 3))
+        spy_scheduler(llm)
+        out[name] = llm
+    return out
+
+
+def spy_scheduler(llm: LLM) -> None:
+    """Count decodes that the token budget skipped (they keep their drafts)."""
+    sched = llm.engine.scheduler
+    schedule = sched.schedule
+
+    def counting_schedule():
+        batch = schedule()
+        picked = {id(s.req) for s in batch}
+        STATS["skipped decodes"] += sum(1 for r in sched.running if r.num_drafts and id(r) not in picked)
+        STATS["chunked prefills"] += sum(1 for s in batch if not s.verify)
+        return batch
+
+    sched.schedule = counting_schedule
+
+
+_GREEDY_REF: dict[tuple[int, ...], list[int]] = {}
+
+
+def greedy_reference(ref_llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """Target-only greedy continuation of each prompt up to the context's end (cached)."""
+    todo = [p for p in {tuple(p) for p in prompts} if p not in _GREEDY_REF]
+    if todo:
+        ref_llm.engine.scheduler.max_num_batched_tokens = 2048
+        ref_llm.engine.k_policy = None
+        params = [SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - len(p), ignore_eos=True) for p in todo]
+        for p, o in zip(todo, ref_llm.generate([list(p) for p in todo], params)):
+            assert o.finish_reason == "length" and len(o.token_ids) == MAX_MODEL_LEN - len(p)
+            _GREEDY_REF[p] = o.token_ids
+    return [_GREEDY_REF[tuple(p)] for p in prompts]
+
+
+def expected_greedy(ref: list[int], params: SamplingParams) -> tuple[list[int], str]:
+    """What a greedy request must output given the target-only continuation ref."""
+    stops = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        stops.add(EOS)
+    for i, t in enumerate(ref[: params.max_tokens]):
+        if t in stops:
+            return ref[: i + 1], "stop"
+    return ref[: params.max_tokens], "length"
+
+
+# ---- driving the engine -------------------------------------------------------------------------
+
+
+def run_requests(llm: LLM, specs: list[dict], budget: int) -> tuple[dict, dict]:
+    """Add each spec's request at its arrival step, abort at its abort step, step until all end.
+
+    Returns (request id -> Request, request id -> concatenated step deltas).
+    """
+    engine = llm.engine
+    engine.scheduler.max_num_batched_tokens = budget
+    k_of = {}
+    engine.k_policy = lambda r: k_of.get(r.req_id, engine.k)
+    reqs, deltas = {}, {}
+    pending = sorted(specs, key=lambda s: s["arrival"])
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0]["arrival"] <= step:
+            s = pending.pop(0)
+            rid = f"r{next(_ids)}"
+            k_of[rid] = s["k"]
+            reqs[rid] = s["req"] = llm.add_request(s["prompt"], s["params"], request_id=rid)
+            deltas[rid] = []
+        for s in specs:
+            if s.get("abort") == step and "req" in s and not s["req"].finished:
+                llm.abort(s["req"].req_id)
+                STATS["aborts"] += 1
+        for out in engine.step():
+            deltas[out.req.req_id] += out.new_token_ids
+        step += 1
+        assert step < 5000, "the engine made no progress (livelock or starvation)"
+    engine.k_policy = None
+    return reqs, deltas
+
+
+def fresh(llm: LLM) -> LLM:
+    """The LLM with nothing left from an earlier example (one that failed midway, while shrinking)."""
+    for rid in list(llm.engine.requests):
+        llm.abort(rid)
+    llm.engine.k_policy = None
+    return llm
+
+
+def check_engine_empty(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.requests and not engine.has_unfinished()
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert sorted(engine.scheduler.free_slots) == list(range(MAX_NUM_SEQS))
+    STATS["checks: engine empty, slots free"] += 1
+
+
+def check_request(req, delta: list[int], k: int, engine_k: int) -> None:
+    """Deltas vs output, finish reason vs length, and the speculation counters."""
+    out = req.output_token_ids
+    p = req.params
+    assert delta == out, "step deltas do not concatenate to the output"
+    assert req.finish_reason in ("length", "stop", "abort"), (req.finish_reason, req.error)
+    assert req.slot == -1 and req.drafts is None
+    room = MAX_MODEL_LEN - req.num_prompt_tokens
+    assert len(out) <= min(p.max_tokens, room)
+    stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else {EOS})
+    assert not any(t in stops for t in out[:-1]), "generation went on past a stop token"
+    if req.finish_reason == "length":
+        assert len(out) == min(p.max_tokens, room)
+    elif req.finish_reason == "stop":
+        assert out and out[-1] in stops
+    STATS["checks: tokens (deltas, lengths, stops)"] += 1
+    m = req.metrics
+    assert len(m.accepted_per_position) == engine_k
+    assert 0 <= m.num_accepted_tokens <= m.num_draft_tokens - m.num_stale_drafts
+    assert m.num_draft_tokens <= m.num_drafts * k
+    assert sum(m.accepted_per_position) == m.num_accepted_tokens
+    assert all(a >= b for a, b in zip(m.accepted_per_position, m.accepted_per_position[1:]))
+    if k == 0:
+        assert m.num_drafts == m.num_draft_tokens == 0
+    d = m.as_dict(len(out))
+    if m.num_drafts:
+        assert d["mean_accepted_length"] == pytest.approx(1 + m.num_accepted_tokens / m.num_drafts)
+        assert d["acceptance_rate"] == pytest.approx(m.num_accepted_tokens / m.num_draft_tokens)
+    else:
+        assert d["mean_accepted_length"] == 1.0
+    STATS["checks: metrics"] += 1
+    STATS["drafts verified"] += m.num_draft_tokens
+    STATS["drafts accepted"] += m.num_accepted_tokens
+    STATS["stale drafts"] += m.num_stale_drafts
+
+
+# ---- strategies ---------------------------------------------------------------------------------
+
+prompts_st = st.one_of(
+    st.lists(st.integers(0, 255), min_size=1, max_size=40),
+    st.lists(st.integers(3, 8), min_size=1, max_size=40),  # a small alphabet: the n-gram proposer matches
+)
+
+
+@st.composite
+def request_st(draw, engine_k: int, max_arrival: int):
+    prompt = draw(prompts_st)
+    greedy = draw(st.booleans())
+    sampling = {} if greedy else dict(
+        temperature=draw(st.sampled_from([0.3, 0.8, 1.0, 1.7])),
+        top_k=draw(st.sampled_from([0, 1, 5, 50])),
+        top_p=draw(st.sampled_from([1.0, 0.9, 0.3])),
+        seed=draw(st.integers(0, 2**40)),
+    )
+    return dict(
+        prompt=prompt,
+        greedy=greedy,
+        sampling=sampling,
+        max_tokens=draw(st.integers(1, 24)),
+        ignore_eos=draw(st.booleans()),
+        stop_index=draw(st.none() | st.integers(0, 23)),  # greedy: stop at the reference's token there
+        arrival=draw(st.integers(0, max_arrival)),
+        abort=draw(st.none() | st.none() | st.integers(0, max_arrival + 12)),
+        k=draw(st.integers(0, engine_k)) if engine_k else 0,
+    )
+
+
+def build_specs(ref_llm, raw: list[dict]) -> list[dict]:
+    """SamplingParams for each drawn request (greedy stop tokens come from the greedy reference)."""
+    refs = greedy_reference(ref_llm, [r["prompt"] for r in raw])
+    specs = []
+    for r, ref in zip(raw, refs):
+        stop = None
+        if r["greedy"] and r["stop_index"] is not None and r["stop_index"] < len(ref):
+            stop = [ref[r["stop_index"]]]
+        params = SamplingParams(temperature=0.0 if r["greedy"] else r["sampling"]["temperature"],
+                                top_k=r["sampling"].get("top_k", 0), top_p=r["sampling"].get("top_p", 1.0),
+                                seed=r["sampling"].get("seed"), max_tokens=r["max_tokens"],
+                                ignore_eos=r["ignore_eos"], stop_token_ids=stop)
+        specs.append(dict(r, params=params, ref=ref))
+    return specs
+
+
+# ---- the properties -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@given(data=st.data())
+@fuzz(20, len(VARIANTS))
+def test_engine_invariants_under_random_arrivals(llms, name, data):
+    RAN.add(f"engine_invariants_under_random_arrivals[{name}]")
+    llm = fresh(llms[name])
+    engine_k = llm.engine.k
+    # Budgets of about one decode (1 + k tokens) make requests take turns: skips and stale drafts.
+    tight = st.sampled_from([engine_k + 1, engine_k + 2, 2 * engine_k + 2])
+    budget = data.draw(tight | st.integers(engine_k + 1, 48) | st.just(2048), label="budget")
+    max_arrival = data.draw(st.integers(0, 8), label="max_arrival")
+    raw = data.draw(st.lists(request_st(engine_k, max_arrival), min_size=1, max_size=7), label="requests")
+    specs = build_specs(llms["none"], raw)
+    STATS[f"examples: {name}"] += 1
+    STATS["requests"] += len(specs)
+
+    _, deltas = run_requests(llm, specs, budget)
+    check_engine_empty(llm)
+    check_outputs(name, specs, deltas, engine_k)
+
+    # Seeded sampled requests that saw no stale draft give the tokens they give alone, unhurried.
+    again = [dict(s, arrival=0, abort=None) for s in specs
+             if not s["greedy"] and s["req"].finish_reason != "abort" and s["req"].metrics.num_stale_drafts == 0]
+    if again:
+        alone, _ = run_requests(llm, again, 2048)
+        check_engine_empty(llm)
+        for s, req in zip(again, alone.values()):
+            assert req.output_token_ids == s["req"].output_token_ids, name
+            STATS["checks: seeded sample independent of batch and skips"] += 1
+
+
+def check_outputs(name: str, specs: list[dict], deltas: dict, engine_k: int) -> None:
+    """Per-request checks, and greedy outputs against the target-only greedy reference."""
+    for s in specs:
+        req = s["req"]
+        check_request(req, deltas[req.req_id], s["k"], engine_k)
+        if s["greedy"]:
+            want, reason = expected_greedy(s["ref"], s["params"])
+            if req.finish_reason == "abort":
+                assert req.output_token_ids == want[: len(req.output_token_ids)]
+            else:
+                assert (req.output_token_ids, req.finish_reason) == (want, reason), name
+            STATS["checks: greedy equals target-only greedy"] += 1
+
+
+@pytest.mark.parametrize("name", STALE_VARIANTS)
+@given(data=st.data())
+@fuzz(15, len(STALE_VARIANTS))
+def test_stale_drafts_when_requests_take_turns(llms, name, data):
+    RAN.add(f"stale_drafts_when_requests_take_turns[{name}]")
+    # A budget of one decode (1 + k tokens) a step, with a sharded cache, makes the requests take turns
+    # and each take the row of the one skipped before it: its drafts go stale and must be rejected.
+    # The target as its own draft (or n-gram drafts on repetitive prompts) would accept them otherwise.
+    llm = fresh(llms[name])
+    engine_k = llm.engine.k
+    raw = data.draw(st.lists(request_st(engine_k, 2), min_size=2, max_size=4), label="requests")
+    raw = [dict(r, k=engine_k, abort=None if r["abort"] is None or r["abort"] % 3 else r["abort"]) for r in raw]
+    specs = build_specs(llms["none"], raw)
+    STATS[f"examples: {name}"] += 1
+    STATS["requests"] += len(specs)
+    _, deltas = run_requests(llm, specs, engine_k + 1)
+    check_engine_empty(llm)
+    check_outputs(name, specs, deltas, engine_k)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@given(data=st.data())
+@fuzz(8, len(VARIANTS))
+def test_stream_deltas_and_closing_midway(llms, name, data):
+    RAN.add(f"stream_deltas_and_closing_midway[{name}]")
+    llm = fresh(llms[name])
+    STATS[f"examples: {name}"] += 1
+    llm.engine.scheduler.max_num_batched_tokens = data.draw(st.integers(llm.engine.k + 1, 64), label="budget")
+    prompts = data.draw(st.lists(prompts_st, min_size=1, max_size=6), label="prompts")
+    params = [SamplingParams(temperature=data.draw(st.sampled_from([0.0, 1.0])),
+                             max_tokens=data.draw(st.integers(1, 16)), seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    close_after = data.draw(st.none() | st.integers(0, 20), label="close_after")
+    got = [[] for _ in prompts]
+    finals = [None] * len(prompts)
+    gen = llm.stream(prompts, params)
+    for n, (i, new, done) in enumerate(gen):
+        assert finals[i] is None, "a token arrived after its request finished"
+        got[i] += new
+        if done is not None:
+            finals[i] = done
+            assert done.token_ids == got[i], "streamed deltas do not concatenate to the final tokens"
+        if close_after is not None and n >= close_after:
+            gen.close()
+            STATS["streams closed midway"] += 1
+            break
+    check_engine_empty(llm)
+    refs = greedy_reference(llms["none"], prompts)
+    for p, sp, toks, final, ref in zip(prompts, params, got, finals, refs):
+        if final is None:
+            assert close_after is not None
+        else:
+            assert len(toks) == min(sp.max_tokens, MAX_MODEL_LEN - len(p))
+        if sp.greedy:
+            assert toks == ref[: len(toks)]
+        STATS["checks: stream"] += 1
+
+
+def test_report_what_the_fuzz_exercised():
+    """Runs last: the examples reached skips, stale drafts, aborts and accepted drafts (and print a tally)."""
+    if len(RAN) < EXPECTED["tests"]:
+        pytest.skip(f"only {len(RAN)} of the {EXPECTED['tests']} fuzz tests ran")
+    print("\nfuzz tally:", dict(sorted(STATS.items())))
+    assert sum(v for k, v in STATS.items() if k.startswith("examples: ")) >= EXPECTED["examples"]
+    for what in ("skipped decodes", "chunked prefills", "stale drafts", "aborts", "drafts accepted",
+                 "streams closed midway", "checks: seeded sample independent of batch and skips"):
+        assert STATS[what] > 0, f"the fuzz never exercised: {what}"
+    assert STATS["drafts accepted"] < STATS["drafts verified"]  # some drafts were rejected too
