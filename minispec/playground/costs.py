@@ -1,0 +1,122 @@
+"""Cost ratios on a fixed context: draft step vs target step (c), and (k + 1)-token vs 1-token target forwards."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from minispec.engine.model_runner import ModelRunner
+from minispec.spec_decode.draft_logits import DraftLogitsCache
+from minispec.spec_decode.ngram import ngram_drafts, write_one_hot_logits
+
+
+MIN_SAMPLE_S = 0.005  # a timed sample repeats a fast call until it lasts about this long
+
+
+class _FixedContext:
+    """A model runner whose `batch_size` slots all hold the same `context` random tokens."""
+
+    def __init__(self, model, batch_size: int, context: int, extra: int, vocab_size: int, dtype, device, seed: int):
+        self.runner = ModelRunner(model, batch_size, context + extra + 1, dtype=dtype, device=device)
+        self.batch_size = batch_size
+        self.context = context
+        rng = np.random.default_rng(seed)
+        self.ids = rng.integers(0, vocab_size, size=context).tolist()
+        slots = list(range(batch_size))
+        self.runner.forward(slots, [0] * batch_size, [self.ids] * batch_size, [1] * batch_size)
+
+    def step(self, num_tokens: int) -> None:
+        """One forward of num_tokens new tokens per slot after the context, with logits for all of them.
+
+        Writes the same positions every call, so the context stays put between calls.
+        """
+        b = self.batch_size
+        q = self.ids[:num_tokens]
+        self.runner.forward(list(range(b)), [self.context] * b, [q] * b, [num_tokens] * b)
+
+
+def _time(fn, n: int = 1) -> float:
+    """Seconds per call of n back-to-back calls."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+@torch.inference_mode()
+def measure_costs(target_model, drafts: dict, k_max: int, batch_size: int, context: int, repeats: int,
+                  vocab_size: int, dtype, device, ngram_n: tuple[int, int] = (1, 3), seed: int = 0) -> dict:
+    """Step times on a fixed context (fastest of `repeats` samples) and the cost ratios of the speedup model.
+
+    drafts: name -> native draft model, or "ngram" (prompt lookup: n-gram match + one-hot logits
+    write; a k_max-token lookup counts as k_max drafted tokens). Returns
+      target_step_ms       a 1-token target forward of batch_size requests
+      verify_ms/_ratio     {k: (k + 1)-token target forward, in ms / over target_step_ms} for k in 1..k_max
+      verify_ratio_fit     {k: the ratios' least-squares line a + b k (b >= 0, values >= 1)}
+      draft_step_ms, c     {name: one draft step in ms / over target_step_ms}
+    Measurements go round-robin in a shuffled order, so machine noise hits them alike.
+    """
+    target = _FixedContext(target_model, batch_size, context, k_max, vocab_size, dtype, device, seed)
+    timers = {"target": lambda: target.step(1)}
+    for k in range(1, k_max + 1):
+        timers[f"verify{k}"] = lambda k=k: target.step(k + 1)
+    per_token = {}  # draft name -> drafted tokens one timed call stands for
+    for name, model in drafts.items():
+        if model == "ngram":
+            timers[f"draft:{name}"] = _ngram_step(batch_size, k_max, vocab_size, target.ids, ngram_n, device)
+            per_token[name] = k_max
+        else:
+            draft = _FixedContext(model, batch_size, context, k_max, vocab_size, dtype, device, seed)
+            timers[f"draft:{name}"] = lambda draft=draft: draft.step(1)
+            per_token[name] = 1
+    # Warm up, and batch calls that take under MIN_SAMPLE_S (tiny models) so timer noise stays small.
+    calls = {name: max(1, min(100, int(MIN_SAMPLE_S / max(_time(fn), 1e-6)))) for name, fn in timers.items()}
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    order = np.random.default_rng(seed)
+    names = list(timers)
+    for _ in range(repeats):
+        for i in order.permutation(len(names)):  # a fresh order each round: no timer always goes first
+            times[names[i]].append(_time(timers[names[i]], calls[names[i]]))
+    best = {name: float(np.min(t)) for name, t in times.items()}  # noise only adds: the fastest sample is the cost
+    t_target = best["target"]
+    ks = range(1, k_max + 1)
+    verify_ratio = {k: best[f"verify{k}"] / t_target for k in ks}
+    return {
+        "target_step_ms": 1e3 * t_target,
+        "verify_ms": {k: 1e3 * best[f"verify{k}"] for k in ks},
+        "verify_ratio": verify_ratio,
+        "verify_ratio_fit": dict(zip(ks, fit_verify_ratios(list(verify_ratio.values())))),
+        "draft_step_ms": {name: 1e3 * best[f"draft:{name}"] / per_token[name] for name in drafts},
+        "c": {name: best[f"draft:{name}"] / per_token[name] / t_target for name in drafts},
+    }
+
+
+def fit_verify_ratios(ratios: list[float]) -> list[float]:
+    """A line a + b k through the verify ratios of k = 1..len(ratios): non-decreasing (b >= 0), at least 1.
+
+    Scoring more tokens never costs less; a measured dip is noise, and a policy that trusted it
+    would favour that k.
+    """
+    v = np.asarray(ratios, dtype=np.float64)
+    ks = np.arange(1, len(v) + 1, dtype=np.float64)
+    slope = 0.0
+    if len(v) > 1:
+        slope = max(0.0, float(np.polyfit(ks, v, 1)[0]))
+    fit = v.mean() + slope * (ks - ks.mean())
+    return np.maximum(fit, 1.0).tolist()
+
+
+def _ngram_step(batch_size: int, k: int, vocab_size: int, history: list[int], ngram_n, device):
+    """A prompt-lookup step over batch_size copies of history: match, then write one-hot draft logits."""
+    histories = [history] * batch_size
+    cache = DraftLogitsCache(batch_size, k, vocab_size, dtype=torch.float32, fill=0.0, device=device)
+    slots = np.arange(batch_size, dtype=np.int32)
+    cache.assign(torch.from_numpy(slots).to(device), slots)
+    rows = cache.rows_of(torch.from_numpy(slots).long().to(device)).long()  # [batch_size]
+
+    def step():
+        drafts = ngram_drafts(histories, k, *ngram_n)  # [batch_size, k]
+        write_one_hot_logits(cache, rows, torch.from_numpy(drafts).to(device))
+
+    return step

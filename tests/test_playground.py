@@ -1,0 +1,240 @@
+"""The playground: a smoke sweep on tiny models (files, columns, plots, consistent numbers), AdaptiveK's
+rule and its request tracking, settings parsing, prompt sets."""
+import csv
+import json
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from minispec import LLM, SamplingParams
+from minispec.playground.__main__ import main
+from minispec.playground.config import load_config, parse_list
+from minispec.playground.costs import fit_verify_ratios
+from minispec.playground.prompts import BUILTIN_PROMPTS, load_prompt_set
+from minispec.spec_decode.adaptive import AdaptiveK, expected_tokens
+from tests.utils import make_tiny_model_dir, requires_smollm2
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("target")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("draft")), seed=1, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, target_dir, draft_dir):
+    out = tmp_path_factory.mktemp("playground")
+    rc = main([
+        "--config", os.path.join(ROOT, "configs", "playground-smoke.toml"), "--out", str(out),
+        "--target", target_dir, "--draft", f"{draft_dir},{target_dir},ngram", "--k", "1,3",
+        "--temperature", "0,0.8", "--num-prompts", "3", "--max-tokens", "16", "--cost-repeats", "2", "--no-progress",
+    ])
+    assert rc == 0
+    with open(out / "results.json") as f:
+        result = json.load(f)
+    return out, result
+
+
+def test_sweep_writes_every_file(sweep):
+    out, result = sweep
+    for name in ("results.csv", "results.json", "summary.md", "acceptance_by_position.png", "tau_vs_k.png",
+                 "speedup_vs_k.png", "beta_hist.png"):
+        assert (out / name).is_file(), name
+    for png in out.glob("*.png"):
+        assert png.read_bytes()[:8] == PNG_MAGIC
+    summary = (out / "summary.md").read_text()
+    for png in ("acceptance_by_position.png", "tau_vs_k.png", "speedup_vs_k.png", "beta_hist.png"):
+        assert f"]({png})" in summary
+    # 2 temperatures x (target-only + 3 drafts x (k = 1, 3 fixed + adaptive at k = 3))
+    assert len(result["rows"]) == 2 * (1 + 3 * 3)
+    assert {"torch_version", "cpu", "threads"} <= set(result["env"])
+    assert result["settings"]["k"] == [1, 3] and result["settings"]["temperature"] == [0.0, 0.8]
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(result["rows"])
+    for col in ("draft", "policy", "k", "temperature", "top_p", "prompt_set", "batch_size", "alpha", "tau",
+                "tau_theory", "beta_mean", "tokens_per_s", "speedup", "c", "verify_ratio", "predicted_speedup",
+                "accept_pos_1", "accept_pos_3", "beta_hist", "torch_version", "cpu", "threads"):
+        assert col in rows[0], col
+
+
+def test_sweep_numbers_are_consistent(sweep):
+    _, result = sweep
+    rows = result["rows"]
+    baselines = {(r["temperature"], r["top_p"]): r for r in rows if r["draft"] == "none"}
+    assert len(baselines) == 2
+    for r in baselines.values():  # target-only ran before and after the speculative runs
+        assert r["tokens_per_s"] == pytest.approx((r["baseline_tokens_per_s_first"] + r["baseline_tokens_per_s_last"]) / 2)
+        assert r["baseline_drift"] == pytest.approx(r["baseline_tokens_per_s_last"] / r["baseline_tokens_per_s_first"])
+    for r in rows:
+        assert r["num_generated"] == 3 * 16  # ignore_eos: every run generates the same number of tokens
+        if r["draft"] == "none":
+            continue
+        rates = r["accept_rate_by_position"]
+        assert len(rates) == r["k"]
+        assert r["tau"] == pytest.approx(1 + sum(rates), abs=1e-9)
+        assert all(a >= b for a, b in zip(rates, rates[1:]))  # accepting j + 1 means accepting j
+        assert 0 <= r["num_accepted_tokens"] <= r["num_draft_tokens"] <= r["num_drafts"] * r["k"]
+        assert r["alpha"] == pytest.approx(r["num_accepted_tokens"] / r["num_draft_tokens"])
+        assert r["beta_count"] == sum(r["beta_hist"]) > 0
+        assert 0.0 <= r["beta_min"] <= r["beta_mean"] <= r["beta_max"] <= 1.0 + 1e-6
+        assert sum(r["k_counts"]) + 3 == r["num_verifications"]
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / baselines[(r["temperature"], r["top_p"])]["tokens_per_s"])
+        if r["policy"] == "fixed":
+            assert r["k_counts"][r["k"]] == sum(r["k_counts"])
+            assert r["tau_theory"] == pytest.approx(expected_tokens(r["alpha"], r["k"]))
+            assert r["predicted_speedup"] == pytest.approx(r["tau_theory"] / (r["k"] * r["c"] + r["verify_ratio_fit"]))
+        if r["draft_label"] == "target (self)":
+            # The target drafting for itself: p = q up to float rounding, every draft accepted.
+            assert r["alpha"] == 1.0
+            assert r["beta_min"] >= 1.0 - 1e-5
+            if r["policy"] == "fixed":
+                assert r["tau"] == r["k"] + 1
+        if r["draft"] == "ngram":
+            assert r["c"] < 0.5  # a lookup costs a small fraction of a forward
+
+
+def test_fit_verify_ratios():
+    fit = fit_verify_ratios([1.33, 1.62, 1.24, 1.34, 1.36, 1.44])
+    assert all(b >= a for a, b in zip(fit, fit[1:])) and fit[0] >= 1.0
+    assert np.mean(fit) == pytest.approx(np.mean([1.33, 1.62, 1.24, 1.34, 1.36, 1.44]))
+    assert fit_verify_ratios([1.5, 1.2, 1.1]) == pytest.approx([1.2667] * 3, abs=1e-3)  # no negative slope
+    assert fit_verify_ratios([0.8, 0.9]) == [1.0, 1.0]
+    assert fit_verify_ratios([1.0, 2.0, 3.0]) == pytest.approx([1.0, 2.0, 3.0])
+
+
+def test_adaptive_choose_maximises_tokens_per_cost():
+    v = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
+    pol = AdaptiveK(5, draft_cost=0.1, verify_costs=v)
+    for alpha in np.linspace(0.0, 1.0, 21):
+        rates = [1.0] + [expected_tokens(alpha, k) / (0.1 * k + v[k]) for k in range(1, 6)]
+        best = int(np.argmax(rates[1:])) + 1
+        assert pol.choose(alpha) == (best if rates[best] > 1.0 else 0)
+    assert pol.choose(0.0) == 0
+    assert pol.choose(1.0) == 5  # every draft accepted: k + 1 tokens for 1.1 k + 1 cost grows with k
+    free = AdaptiveK(4)  # free drafts and verification: always the longest
+    assert free.choose(0.05) == 4
+    # Charging k_max drafts whatever k is picked favours the longest k once drafting pays at all.
+    fixed = AdaptiveK(4, draft_cost=0.3, verify_costs=[1, 1, 1, 1, 1], draft_steps_fixed=True)
+    assert fixed.choose(0.9) == 4 and fixed.choose(0.1) == 0
+    assert expected_tokens(1.0, 3) == 4.0 and expected_tokens(0.0, 3) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    with pytest.raises(ValueError, match="verify_costs"):
+        AdaptiveK(3, verify_costs=[1.0, 1.0])
+
+
+def _fake_request(req_id):
+    metrics = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0)
+    return SimpleNamespace(req_id=req_id, metrics=metrics)
+
+
+def _verify(req, drafted, accepted):
+    req.metrics.num_drafts += 1
+    req.metrics.num_draft_tokens += drafted
+    req.metrics.num_accepted_tokens += accepted
+
+
+def test_adaptive_tracks_each_request():
+    pol = AdaptiveK(4, draft_cost=0.05, verify_costs=[1.0, 1.1, 1.2, 1.3, 1.4], decay=0.7, probe_every=3)
+    good, bad = _fake_request("a"), _fake_request("b")
+    k_good, k_bad = pol(good), pol(bad)
+    assert k_good == k_bad > 0  # both start from the prior
+    for _ in range(10):
+        _verify(good, k_good, k_good)  # everything accepted
+        k_good = pol(good)
+        if k_bad:
+            _verify(bad, k_bad, 0)  # nothing accepted
+        k_bad = pol(bad)
+    assert k_good == 4 and pol.alpha("a") > 0.9
+    assert pol.alpha("b") < 0.2
+    # Switched off, the bad request probes with one draft every probe_every steps.
+    ks = []
+    for _ in range(6):
+        if k_bad:
+            _verify(bad, k_bad, 0)
+        k_bad = pol(bad)
+        ks.append(k_bad)
+    assert ks.count(1) == 2 and ks.count(0) == 4
+    # A truncated run counts one failure: 2 of 4 accepted -> 2 successes in 3 trials.
+    fresh = AdaptiveK(4, decay=1.0, prior_weight=1e-9)
+    r = _fake_request("c")
+    fresh(r)
+    _verify(r, 4, 2)
+    fresh(r)
+    assert fresh.alpha("c") == pytest.approx(2 / 3)
+    # A new request reusing an id starts afresh.
+    r2 = _fake_request("c")
+    fresh(r2)
+    assert fresh.alpha("c") == pytest.approx(fresh.prior_alpha)
+    assert pol.counts.sum() == 2 * 11 + 6
+    assert 0 < pol.mean_k() < 4
+
+
+def test_adaptive_in_engine_is_lossless(target_dir, draft_dir):
+    prompts = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 9, 10], list(range(30, 52))]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(target=target_dir, max_num_seqs=3).generate(prompts, params)]
+    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=3, max_num_seqs=3)
+    pol = AdaptiveK(3, draft_cost=0.2, verify_costs=[1.0, 1.05, 1.1, 1.15], prior_alpha=0.9)
+    llm.engine.k_policy = pol
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    assert pol.counts.sum() > 0 and len(pol.states) == 3
+    for o in outs:
+        m = o.metrics
+        assert m["num_accepted_tokens"] <= m["num_draft_tokens"] <= 3 * m["num_drafts"]
+
+
+def test_config_and_overrides(tmp_path):
+    smoke = os.path.join(ROOT, "configs", "playground-smoke.toml")
+    cfg = load_config(smoke, {"k": parse_list("k", "2,4"), "temperature": parse_list("temperature", "0,0.8"),
+                              "max_tokens": 5, "seed": None})
+    assert cfg["k"] == [2, 4] and cfg["temperature"] == [0.0, 0.8] and cfg["max_tokens"] == 5
+    assert cfg["seed"] == 0  # None overrides leave the file's value
+    assert isinstance(cfg["draft"], list) and cfg["adaptive"]["decay"] == 0.8
+    for path in ("playground-smoke.toml", "playground-smollm2.toml"):
+        load_config(os.path.join(ROOT, "configs", path))
+    bad = tmp_path / "bad.toml"
+    bad.write_text('kk = [1]\n')
+    with pytest.raises(ValueError, match="unknown setting"):
+        load_config(str(bad))
+    with pytest.raises(ValueError, match="k"):
+        load_config(None, {"k": [0]})
+    with pytest.raises(ValueError, match="policy"):
+        load_config(None, {"policy": "sometimes"})
+
+
+def test_prompt_sets(tmp_path):
+    prompts, _ = load_prompt_set("builtin", 3)
+    assert prompts == BUILTIN_PROMPTS[:3]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(["one", {"prompt": "two"}]))
+    assert load_prompt_set(str(path), 10)[0] == ["one", "two"]
+    with pytest.raises(ValueError):
+        load_prompt_set("nonsense", 3)
+    pytest.importorskip("minispec.data")
+    prompts, desc = load_prompt_set("eval", 10)
+    assert len(prompts) == 10 and len(set(prompts)) == 10 and "round-robin" in desc
+
+
+@requires_smollm2
+def test_sweep_with_tokenizer_and_chat_template(tmp_path):
+    # String prompts through a real tokenizer and chat template (tiny weights, SmolLM2 tokenizer).
+    target = make_tiny_model_dir(str(tmp_path / "target"), seed=0, with_tokenizer=True)
+    out = tmp_path / "out"
+    rc = main(["--out", str(out), "--target", target, "--draft", "ngram", "--k", "2", "--temperature", "0",
+               "--batch-size", "2", "--num-prompts", "2", "--max-tokens", "8", "--cost-repeats", "1",
+               "--cost-context", "16", "--chat", "--no-progress"])
+    assert rc == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["draft"] for r in rows] == ["none", "ngram"]
+    assert all(r["chat"] and r["num_generated"] == 16 for r in rows)
