@@ -128,8 +128,10 @@ class LLM:
                     ids = ids["input_ids"]
                 return list(ids)
             return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or []
-        ids = [int(t) for t in prompt]
-        return ids
+        ids = list(prompt)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        return [int(t) for t in ids]
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -167,9 +169,11 @@ class LLM:
         """
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        reqs = [self.add_request(p, sp, use_chat_template) for p, sp in zip(prompts, params)]
-        index = {id(r): i for i, r in enumerate(reqs)}
+        reqs = []
         try:
+            for p, sp in zip(prompts, params):  # a bad prompt aborts the ones queued before it
+                reqs.append(self.add_request(p, sp, use_chat_template))
+            index = {id(r): i for i, r in enumerate(reqs)}
             while any(not r.finished for r in reqs):
                 for out in self.engine.step():
                     i = index.get(id(out.req))

@@ -221,8 +221,6 @@ def test_bad_prompt_in_a_batch_is_rejected_before_any_work(llm):
     assert [o.finish_reason for o in llm.generate(PROMPTS[:2], GREEDY)] == ["length", "length"]
 
 
-@pytest.mark.xfail(strict=True, reason="LLM.stream queues prompts one by one outside its try/finally: a bad "
-                   "prompt leaves the good ones before it queued in the engine (minispec/llm.py)")
 def test_bad_prompt_in_a_batch_leaves_nothing_queued(llm):
     with pytest.raises(ValueError):
         llm.generate([PROMPTS[0], PROMPTS[1], [1, 999]], GREEDY)
@@ -469,3 +467,10 @@ def test_tp_differs_from_torchrun_world_size(tok_dir):
     assert "error: tensor_parallel_size=3 but the job has 2 rank(s); launch with torchrun --nproc-per-node 3" \
         in r.stderr
     assert not minispec_traceback(r.stderr)
+
+
+def test_non_integer_token_ids_rejected(llm):
+    for bad in ([1, 2.7], [True, 3]):
+        with pytest.raises(ValueError, match="integer token ids"):
+            llm.generate([bad], GREEDY)
+    check_empty(llm)
