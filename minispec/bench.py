@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
-from minispec.llm import DEFAULT_TARGET
+from minispec.llm import DEFAULT_TARGET, param_bytes
 
 NGRAM = "ngram"
 NGRAM_N = (1, 3)  # minispec's n-gram sizes; transformers prompt lookup matches up to the same max
@@ -170,11 +170,6 @@ def batches_of(prompts: list[list[int]], batch_size: int) -> list[list[tuple[int
     n = math.ceil(len(prompts) / batch_size) * batch_size
     items = [(i, prompts[i % len(prompts)]) for i in range(n)]
     return [items[j : j + batch_size] for j in range(0, n, batch_size)]
-
-
-def param_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a model's parameters in their stored dtype (shared tensors counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def draft_label(draft: str | None) -> str:

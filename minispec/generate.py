@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="draft model (same forms as --target), or 'ngram' for "
                    "prompt lookup; omit for target-only")
     p.add_argument("--ngram-min", type=int, default=1, help="smallest n-gram matched by --draft ngram")
+    p.add_argument("--adaptive-k", action="store_true",
+                   help="per-request speculation length from running acceptance (may turn it off)")
     p.add_argument("--ngram-max", type=int, default=3, help="largest n-gram matched by --draft ngram")
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     p.add_argument("--prompt-file", default=None, help="a file of prompts: one per line, or a JSON list of strings")
@@ -120,7 +122,7 @@ def run(args, parser, prompts: list[str]) -> int:
                   num_speculative_tokens=args.num_speculative_tokens, tensor_parallel_size=args.tp,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   dtype=args.dtype, max_model_len=args.max_model_len,
-                  ngram_n=(args.ngram_min, args.ngram_max))
+                  ngram_n=(args.ngram_min, args.ngram_max), adaptive_k=args.adaptive_k)
         for p in prompts:  # reject bad prompts before any work starts
             ids = llm.encode(p, args.chat)
             if len(ids) >= llm.engine.config.max_model_len:

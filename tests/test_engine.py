@@ -188,3 +188,16 @@ def test_nan_logits_end_one_request_others_continue(target_dir, draft_dir, hf_gr
     for p, o in zip([PROMPTS[0], PROMPTS[2]], outs):
         assert o.token_ids == hf_greedy(p, 24) and o.finish_reason == "length"
     assert len(llm.engine.scheduler.free_slots) == 4
+
+
+def test_adaptive_k_turns_a_useless_draft_off(target_dir, draft_dir, hf_greedy):
+    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=4, max_num_seqs=4, adaptive_k=True)
+    fixed = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=4, max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(PROMPTS, sp)
+    for p, o in zip(PROMPTS, outs):
+        assert o.token_ids == hf_greedy(p, 40)
+    # A random draft is rarely right: the policy drafts less than fixed k = 4 does.
+    drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
+    drafted_fixed = sum(o.metrics["num_draft_tokens"] for o in fixed.generate(PROMPTS, sp))
+    assert drafted < drafted_fixed

@@ -340,8 +340,8 @@ def test_sampled_tokens_follow_target(small_vocab, temperature, top_k, top_p):
 class UniformLogitsNgram(NgramProposer):
     """Broken on purpose: proposes n-gram drafts but caches uniform draft logits (q != one-hot)."""
 
-    def propose(self, reqs, cache, sampling):
-        drafts = super().propose(reqs, cache, sampling)
+    def propose(self, reqs, cache, num_steps=None):
+        drafts = super().propose(reqs, cache, num_steps)
         cache.values.zero_()
         return drafts
 

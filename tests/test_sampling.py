@@ -186,3 +186,27 @@ def test_request_random_independent_of_batch():
             assert torch.equal(u[row], alone[i][0]) and torch.equal(x[row], alone[i][1])
     assert (x > 0).all() and ((u >= 0) & (u < 1)).all()
     assert uniforms([], 4).shape == (0, 4) and uniforms([RequestRandom(0).verify], 0).shape == (1, 0)
+
+
+def test_finite_fast_path_equals_sanitising_path():
+    """probs_from_logits takes a shortcut for finite rows; it must equal the general (sanitising) path."""
+    from minispec.sample import sampler
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        n, v = 6, 50
+        logits = torch.randn(n, v, generator=g) * 3
+        logits[0, :10] = float("-inf")  # masked entries are allowed on the fast path
+        temp = torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 1.0])
+        top_k = torch.randint(0, 8, (n,), generator=g)
+        top_p = torch.where(torch.rand(n, generator=g) < 0.5, torch.rand(n, generator=g) * 0.9 + 0.1,
+                            torch.ones(n))
+        fast = sampler.probs_from_logits(logits, temp, top_k, top_p)
+        # The general path: force it by comparing against a row set that holds one NaN row.
+        with_nan = torch.cat([logits, torch.full((1, v), float("nan"))])
+        slow = sampler.probs_from_logits(with_nan, torch.cat([temp, torch.ones(1)]),
+                                         torch.cat([top_k, torch.zeros(1, dtype=top_k.dtype)]),
+                                         torch.cat([top_p, torch.ones(1)]))[:n]
+        assert torch.allclose(fast, slow, atol=1e-6, rtol=0), trial
+        greedy_only = sampler.probs_from_logits(logits, torch.zeros(n), top_k, top_p)
+        assert torch.equal(greedy_only.argmax(-1), logits.argmax(-1)) and torch.all(greedy_only.sum(-1) == 1)

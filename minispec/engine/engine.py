@@ -217,7 +217,7 @@ class Engine:
         out[:, self.k + 1] = num_sampled.cpu()
         out[:, self.k + 2] = 0
         # A target that emits NaN or +inf logits cannot be sampled from: the request ends with an error.
-        bad_row = (logits.isnan() | (logits == float("inf"))).any(dim=-1).cpu()  # [num_logits]
+        bad_row = ~torch.isfinite(logits.amax(dim=-1)).cpu()  # [num_logits]; NaN, +inf or nothing finite
         req_of_row = torch.repeat_interleave(torch.arange(len(reqs)), torch.from_numpy(num_logits))
         out[:, self.k + 3] = torch.zeros(len(reqs), dtype=torch.int64).index_add_(0, req_of_row, bad_row.long()) > 0
         if stale is not None:
@@ -302,6 +302,6 @@ class Engine:
         cache = self.draft_logits
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
         cache.assign(torch.from_numpy(slots).to(self.device), slots)
-        drafts = self.proposer.propose(reqs, cache)  # [num_reqs, k]
+        drafts = self.proposer.propose(reqs, cache, max(ks))  # [num_reqs, max(ks)]
         for r, d, k in zip(reqs, drafts, ks):
             r.drafts = d[:k]

@@ -358,7 +358,7 @@ class _Sweep:
                     if policy == "adaptive":
                         verify_costs = [1.0] + [costs["verify_ratio_fit"][j] for j in range(1, k + 1)]
                         pol = AdaptiveK(k, draft_cost=costs["c"][name], verify_costs=verify_costs,
-                                        draft_steps_fixed=spec != "ngram", **cfg["adaptive"])
+                                        **cfg["adaptive"])
                     res = run_one(llm, ids, self.params(t, top_p, len(ids)), cfg["record_beta"], pol)
                     row = {**settings(name, policy, k, ps, t, top_p), "draft_label": label, **make_row(res, k, costs, name)}
                     if policy == "adaptive":  # the fixed-k model does not apply; keep measured numbers only

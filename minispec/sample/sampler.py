@@ -60,6 +60,9 @@ def probs_from_logits(
 
     NaN logits count as -inf; a row without any finite logit is one-hot at token 0.
     """
+    row_max = logits.amax(dim=-1)  # [N]; NaN or +inf anywhere in a row shows here, as does an all -inf row
+    if bool(torch.isfinite(row_max).all()):
+        return _probs_finite(logits, temperature, top_k, top_p)
     greedy = (temperature == 0).to(logits.device)  # [N]
     # Greedy rows skip top-k/top-p: both always keep the argmax.
     top_k = torch.where(greedy, torch.zeros_like(top_k), top_k)
@@ -75,3 +78,26 @@ def probs_from_logits(
 def sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Exact draw per row: argmax(probs / noise) with noise ~ Exp(1) (the exponential race), int64 [N]."""
     return (probs / noise.clamp(NOISE_MIN, NOISE_MAX)).argmax(dim=-1)
+
+
+def _probs_finite(logits, temperature, top_k, top_p) -> torch.Tensor:
+    """probs_from_logits for rows that each hold a finite maximum and no NaN or +inf (the usual case):
+    the same result without the sanitising passes over the vocabulary."""
+    greedy = (temperature == 0).to(logits.device)  # [N]
+    if bool(greedy.all()):
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    k = torch.where(greedy, torch.zeros_like(top_k), top_k)
+    p = torch.where(greedy, torch.ones_like(top_p), top_p)
+    vocab = logits.shape[-1]
+    if bool((((k > 0) & (k < vocab)) | (p < 1)).any()):
+        x = warp_logits(logits, temperature, k, p)
+    else:
+        x = logits.float() / t.unsqueeze(1)
+    probs = x.softmax(dim=-1)  # [N, V]
+    if bool(greedy.any()):
+        rows = greedy.nonzero().squeeze(1)
+        one_hot = torch.zeros(len(rows), vocab, dtype=torch.float32, device=logits.device)
+        probs[rows] = one_hot.scatter_(1, logits[rows].argmax(dim=-1, keepdim=True), 1.0)
+    return probs

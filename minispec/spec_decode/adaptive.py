@@ -62,8 +62,9 @@ class AdaptiveK:
 
     k_max: the engine's num_speculative_tokens. draft_cost: c, draft cost per drafted token over a
     target decode step. verify_costs: v[0..k_max] (v[0] = 1), or None for free verification
-    (v[k] = 1). draft_steps_fixed: charge k_max * c whenever k > 0 (a proposer that always drafts
-    k_max tokens and truncates, as DraftModelProposer does today). See the module docstring.
+    (v[k] = 1). draft_steps_fixed: charge k_max * c whenever k > 0 (for a proposer that always drafts
+    k_max tokens and truncates; the engine's proposers draft only the batch's largest chosen k).
+    See the module docstring.
     """
 
     def __init__(

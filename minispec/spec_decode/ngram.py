@@ -90,13 +90,14 @@ class NgramProposer:
         self.max_n = max_n
         self.device = torch.device(device) if device is not None else None  # None: the cache's device
 
-    def propose(self, reqs: list[Request], cache: DraftLogitsCache, sampling=None) -> np.ndarray:
+    def propose(self, reqs: list[Request], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
         """Drafts [num_reqs, k] int64 (-1 = none); writes their one-hot logits to this rank's rows.
 
         Deterministic in the requests' tokens, so every TP rank proposes the same drafts. Leaves
-        req.num_draft_computed alone (there is no draft KV cache); sampling is not needed.
+        req.num_draft_computed alone (there is no draft KV cache).
         """
-        drafts = ngram_drafts([r.token_ids for r in reqs], self.k, self.min_n, self.max_n)  # [num_reqs, k]
+        k = self.k if num_steps is None else num_steps
+        drafts = ngram_drafts([r.token_ids for r in reqs], k, self.min_n, self.max_n)  # [num_reqs, k]
         device = self.device if self.device is not None else cache.values.device
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=device)  # [num_reqs]
         write_one_hot_logits(cache, cache.rows_of(slots).long(), torch.from_numpy(drafts).to(device))

@@ -20,7 +20,8 @@ class Proposer(Protocol):
 
     k: int
 
-    def propose(self, reqs: list[Request], cache: DraftLogitsCache) -> np.ndarray: ...
+    def propose(self, reqs: list[Request], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
+        """[num_reqs, num_steps] drafts (num_steps defaults to k)."""
 
     def free(self, req: Request) -> None: ...
 
@@ -51,8 +52,8 @@ class DraftModelProposer:
         self.runner = runner
         self.k = k
 
-    def propose(self, reqs: list[Request], cache: DraftLogitsCache) -> np.ndarray:
-        """k batched draft forwards. Under TP each draft step's logits go to the request's owner
+    def propose(self, reqs: list[Request], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
+        """num_steps (default k) batched draft forwards. Under TP each draft step's logits go to the request's owner
         (all-to-all), which caches them and samples the draft token; the tokens are then shared."""
         tp = get_tp_group()
         device = self.runner.device
@@ -71,11 +72,12 @@ class DraftModelProposer:
         if sampled:
             u[sampled] = uniforms([reqs[i].random.draft for i in sampled], self.k)
         u_mine = u[torch.from_numpy(mine)].to(device)
-        drafts = np.empty((len(reqs), self.k), dtype=np.int64)  # [num_reqs, k]
+        num_steps = self.k if num_steps is None else num_steps
+        drafts = np.empty((len(reqs), num_steps), dtype=np.int64)  # [num_reqs, num_steps]
         # Step 0 catches the draft cache up on everything it has not seen (prompt, accepted tokens, bonus).
         starts = [r.num_draft_computed for r in reqs]
         queries = [r.token_ids[r.num_draft_computed :] for r in reqs]
-        for j in range(self.k):
+        for j in range(num_steps):
             logits = self.runner.forward([r.slot for r in reqs], starts, queries, [1] * len(reqs), gather=not sharded)
             logits = rows_to_owners(tp, logits, owners)[:, :vocab] if sharded else logits  # [num_mine, V]
             cache.values[rows, j] = logits.to(cache.values.dtype)
@@ -90,8 +92,8 @@ class DraftModelProposer:
             starts = [s + len(q) for s, q in zip(starts, queries)]
             queries = [[int(t)] for t in drafts[:, j]]
         for r in reqs:
-            # The draft cache now holds token_ids and d1..d(k-1); dk was never fed.
-            r.num_draft_computed = len(r.token_ids) + self.k - 1
+            # The draft cache now holds token_ids and the drafts but the last, which was never fed.
+            r.num_draft_computed = len(r.token_ids) + num_steps - 1
         return drafts
 
     def free(self, req: Request) -> None:
