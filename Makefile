@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.minispec-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench playground clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -21,6 +21,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) -m minispec.bench --config configs/bench-smollm2.toml --out bench.json
+
+playground: setup
+	$(PY) -m minispec.playground --config configs/playground-smoke.toml --out playground-out
 
 clean:
 	rm -rf $(VENV) *.egg-info
