@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from minispec.llm import DEFAULT_TARGET, param_bytes
+from minispec.utils import read_toml
 
 NGRAM = "ngram"
 NGRAM_N = (1, 3)  # minispec's n-gram sizes; transformers prompt lookup matches up to the same max
@@ -82,13 +83,7 @@ def load_config(path: str | None) -> BenchConfig:
     cfg = BenchConfig()
     if path is None:
         return cfg
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
-    known = {f.name for f in fields(BenchConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    for key, value in raw.items():
+    for key, value in read_toml(path, {f.name for f in fields(BenchConfig)}).items():
         setattr(cfg, key, value)
     return cfg
 

@@ -26,3 +26,15 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return DTYPES[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def read_toml(path: str, known: set[str]) -> dict:
+    """A TOML settings file as a dict; ValueError naming any key outside `known`."""
+    import tomllib
+
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return raw
