@@ -1,0 +1,101 @@
+"""The distillation recipe: one flat dataclass, read from a TOML file (configs/distill-*.toml)."""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class DistillConfig:
+    """What to build, on what data, and how to train it. Defaults match configs/distill-smollm2.toml."""
+
+    target: str = "smollm2-135m-instruct"
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads; 0 = torch's default (1 is often fastest on a busy shared CPU)
+
+    # ---- draft -----------------------------------------------------------------------------
+    num_layers: int = 2  # decoder layers of the draft (hidden size, heads, MLP width: the target's)
+    init: str = "target"  # "target": copy target layers `init_layers`; "random": fresh layers
+    init_layers: list[int] = field(default_factory=list)  # target layer ids to copy; [] = the first num_layers
+    freeze_embeddings: bool = True  # the target's token embedding (and LM head, tied or not) stays fixed
+
+    # ---- data: the target's own responses, then its top-k next-token logits per token -------
+    train_prompts: int = 0  # train-split prompts used; 0 = all
+    eval_prompts: int = 24  # eval-split prompts whose responses form the held-out set
+    samples_per_prompt: int = 1  # responses per train prompt (distinct seeds)
+    max_tokens: int = 128  # response length cap
+    gen_temperature: float = 0.8
+    gen_batch: int = 32  # max_num_seqs of minispec's engine while generating
+    gen_dtype: str = "float32"
+    chat: str = "auto"  # "auto" (use the chat template when the tokenizer has one), "true", "false"
+    top_k: int = 32  # teacher logits cached per token
+    teacher_batch: int = 8  # sequences per teacher forward
+
+    # ---- training ----------------------------------------------------------------------------
+    steps: int = 4000
+    time_budget_min: float = 0.0  # minutes of training per invocation; 0 = no limit
+    batch_size: int = 8  # sequences per step
+    max_seq_len: int = 512  # prompt + response tokens kept per sequence
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    bf16: bool = True  # autocast the draft's matmuls to bfloat16 (AMX / tensor cores); master weights fp32
+    ckpt_every: int = 200
+    eval_every: int = 100  # teacher-forced alpha on the held-out set, every this many steps
+
+    # ---- speculative eval with minispec's engine ---------------------------------------------
+    engine_prompts: int = 8  # eval prompts run greedy with LLM(target, draft); 0 = skip
+    engine_max_tokens: int = 64
+    engine_k: int = 4  # num_speculative_tokens
+    engine_every: int = 0  # steps between engine evals; 0 = only at the end
+
+    def validate(self) -> None:
+        """Raise ValueError (one line, naming the field) on settings that make no sense."""
+        if self.init not in ("target", "random"):
+            raise ValueError(f"init must be 'target' or 'random', got {self.init!r}")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.init_layers and len(self.init_layers) != self.num_layers:
+            raise ValueError(f"init_layers names {len(self.init_layers)} layers but num_layers is {self.num_layers}")
+        if self.chat not in ("auto", "true", "false"):
+            raise ValueError(f"chat must be 'auto', 'true' or 'false', got {self.chat!r}")
+        for name in ("top_k", "batch_size", "max_seq_len", "max_tokens", "gen_batch", "teacher_batch",
+                     "samples_per_prompt", "ckpt_every", "eval_every", "engine_k", "engine_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("threads", "steps", "train_prompts", "eval_prompts", "engine_prompts", "engine_every",
+                     "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.time_budget_min < 0:
+            raise ValueError(f"time_budget_min must be >= 0, got {self.time_budget_min}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+    def data_key(self) -> dict:
+        """The fields that decide the cached data (data.pt is reused only when these match)."""
+        keys = ("target", "seed", "train_prompts", "eval_prompts", "samples_per_prompt", "max_tokens",
+                "gen_temperature", "chat", "top_k")
+        return {k: getattr(self, k) for k in keys}
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_config(path: str | None = None, **overrides) -> DistillConfig:
+    """The defaults, updated from a TOML file, then from keyword overrides (None values are ignored)."""
+    raw: dict = {}
+    if path is not None:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    known = {f.name for f in fields(DistillConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}")
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = DistillConfig(**raw)
+    cfg.validate()
+    return cfg

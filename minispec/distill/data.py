@@ -1,0 +1,122 @@
+"""Distillation data: the target's own responses to the train prompts, then its top-k next-token
+log-probabilities at every response position, cached once in DIR/data.pt."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from minispec.data import load_prompts
+
+from .config import DistillConfig
+
+DATA_VERSION = 1
+
+
+def use_chat(cfg: DistillConfig, tokenizer) -> bool:
+    """Whether prompts go through the chat template ("auto": when the tokenizer has one)."""
+    if cfg.chat == "auto":
+        return bool(getattr(tokenizer, "chat_template", None))
+    return cfg.chat == "true"
+
+
+def split_prompts(cfg: DistillConfig) -> tuple[list[str], list[str]]:
+    """(train prompts, held-out eval prompts) as configured."""
+    train = load_prompts("train", limit=cfg.train_prompts or None)
+    evl = load_prompts("eval", limit=cfg.eval_prompts) if cfg.eval_prompts else []
+    return train, evl
+
+
+def generate_responses(cfg: DistillConfig, prompts: list[str], seeds: list[int],
+                       device) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) per prompt, sampled from the target with minispec's batched engine."""
+    from minispec.llm import LLM
+    from minispec.sampling_params import SamplingParams
+
+    llm = LLM(target=cfg.target, max_num_seqs=cfg.gen_batch, max_model_len=cfg.max_seq_len, dtype=cfg.gen_dtype,
+              seed=cfg.seed, device=device)
+    params = [SamplingParams(temperature=cfg.gen_temperature, max_tokens=cfg.max_tokens, seed=s) for s in seeds]
+    outputs = llm.generate(prompts, params, use_chat_template=use_chat(cfg, llm.tokenizer), use_tqdm=True)
+    return [(list(o.prompt_token_ids), list(o.token_ids)) for o in outputs]
+
+
+@torch.no_grad()
+def teacher_topk(target, seqs: list[tuple[list[int], list[int]]], k: int, batch_size: int, device) -> list[dict]:
+    """One target forward per prompt + response; keeps the top-k log-probs at each response position.
+
+    Record: ids [L] int32 (prompt then response), start (index of the first response token; position
+    t predicts token t + 1, so positions start - 1 .. L - 2 are scored), topk_ids / topk_logp
+    [L - start, k] (int32 / float32, sorted, so topk_ids[:, 0] is the teacher's greedy token).
+    """
+    from tqdm import tqdm
+
+    records: list[dict | None] = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]) - len(seqs[i][1]))  # similar lengths batch
+    bar = tqdm(total=len(seqs), desc="teacher top-k", unit="seq")
+    for b in range(0, len(order), batch_size):
+        rows = [i for i in order[b : b + batch_size] if seqs[i][1]]
+        bar.update(min(batch_size, len(order) - b))
+        if not rows:
+            continue
+        lens = [len(seqs[i][0]) + len(seqs[i][1]) for i in rows]
+        ids = torch.zeros(len(rows), max(lens), dtype=torch.long)  # [B, L], right-padded
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(rows):
+            ids[r, : lens[r]] = torch.tensor(seqs[i][0] + seqs[i][1])
+            mask[r, : lens[r]] = 1
+        h = target.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state  # [B, L, H]
+        for r, i in enumerate(rows):
+            start = len(seqs[i][0])
+            logits = target.lm_head(h[r, start - 1 : lens[r] - 1]).float()  # [n, V]
+            logp, idx = logits.log_softmax(-1).topk(k, dim=-1)  # [n, k] each
+            records[i] = {"ids": ids[r, : lens[r]].to(torch.int32), "start": start,
+                          "topk_ids": idx.to(torch.int32).cpu(), "topk_logp": logp.cpu()}
+    bar.close()
+    return [r for r in records if r is not None]
+
+
+def build_data(cfg: DistillConfig, path: Path, device,
+               log=lambda *a: print(*a, flush=True)) -> tuple[dict, object, object]:
+    """Load DIR/data.pt when it matches cfg, else generate and cache it.
+
+    Returns (data, target or None, tokenizer or None); the target is returned when it was loaded
+    here, so the caller can initialise the draft without loading it again.
+    """
+    from .draft import load_hf_target
+
+    if path.is_file():
+        data = torch.load(path, weights_only=False)
+        if data.get("version") != DATA_VERSION or data.get("key") != cfg.data_key():
+            raise ValueError(f"{path} was built with other settings ({data.get('key')}); "
+                             f"delete it or use another --out to rebuild")
+        log(f"data: reusing {path} ({len(data['train'])} train / {len(data['eval'])} eval sequences)")
+        return data, None, None
+    train_prompts, eval_prompts = split_prompts(cfg)
+    prompts = [p for p in train_prompts for _ in range(cfg.samples_per_prompt)] + eval_prompts
+    seeds = [cfg.seed * 1_000_003 + i for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    log(f"data: generating {len(prompts)} responses (max {cfg.max_tokens} tokens, T={cfg.gen_temperature}) "
+        f"with minispec's engine")
+    seqs = generate_responses(cfg, prompts, seeds, device)
+    gen_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    target, tokenizer = load_hf_target(cfg.target)
+    target.to(device)
+    records = teacher_topk(target, seqs, cfg.top_k, cfg.teacher_batch, device)
+    n_train = len(train_prompts) * cfg.samples_per_prompt
+    teacher_s = time.perf_counter() - t0
+    keep = [i for i, s in enumerate(seqs) if s[1]]  # teacher_topk drops empty responses
+    train = [rec for i, rec in zip(keep, records) if i < n_train]
+    evl = [rec for i, rec in zip(keep, records) if i >= n_train]
+    n_tokens = sum(len(r["topk_ids"]) for r in train)
+    data = {"version": DATA_VERSION, "key": cfg.data_key(), "train": train, "eval": evl,
+            "stats": {"generate_s": gen_s, "teacher_s": teacher_s, "train_tokens": n_tokens,
+                      "eval_tokens": sum(len(r["topk_ids"]) for r in evl),
+                      "topk_mass": float(torch.cat([r["topk_logp"] for r in records]).exp().sum(-1).mean())}}
+    tmp = path.with_suffix(".tmp")
+    torch.save(data, tmp)
+    tmp.replace(path)
+    log(f"data: {len(train)} train ({n_tokens} response tokens) / {len(evl)} eval sequences; "
+        f"generate {gen_s:.0f} s, teacher {teacher_s:.0f} s -> {path}")
+    return data, target, tokenizer
