@@ -1,8 +1,9 @@
 """The distillation recipe: one flat dataclass, read from a TOML file (configs/distill-*.toml)."""
 from __future__ import annotations
 
-import tomllib
 from dataclasses import asdict, dataclass, field, fields
+
+from minispec.utils import read_toml
 
 
 @dataclass
@@ -87,14 +88,7 @@ class DistillConfig:
 
 def load_config(path: str | None = None, **overrides) -> DistillConfig:
     """The defaults, updated from a TOML file, then from keyword overrides (None values are ignored)."""
-    raw: dict = {}
-    if path is not None:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    known = {f.name for f in fields(DistillConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}")
+    raw = read_toml(path, {f.name for f in fields(DistillConfig)}) if path is not None else {}
     raw.update({k: v for k, v in overrides.items() if v is not None})
     cfg = DistillConfig(**raw)
     cfg.validate()
