@@ -34,14 +34,7 @@ CASES = {
 def run(model, kv, slots, starts, queries):
     """Feed queries[i] at positions starts[i].. into slot slots[i]; -> per request logits [len, vocab]."""
     B, L = len(queries), max(len(q) for q in queries)
-    ids = torch.zeros(B, L, dtype=torch.int64)
-    pos = torch.zeros(B, L, dtype=torch.int64)
-    write = torch.full((B, L), kv.scratch_slot, dtype=torch.int64)
-    for i, q in enumerate(queries):
-        ids[i, : len(q)] = torch.tensor(q)
-        pos[i, : len(q)] = torch.arange(starts[i], starts[i] + len(q))
-        write[i, : len(q)] = slots[i]
-    batch = ForwardBatch(ids, pos, write, torch.tensor(slots), max(s + len(q) for s, q in zip(starts, queries)))
+    batch = ForwardBatch.build(slots, starts, queries, kv.scratch_slot, "cpu")
     with torch.inference_mode():
         hidden = model(batch, kv)  # [B, L, hidden]
         logits = model.compute_logits(hidden.reshape(B * L, -1)).view(B, L, -1)

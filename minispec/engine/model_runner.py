@@ -33,30 +33,13 @@ class ModelRunner:
 
         Returns: [sum(num_logits), vocab] float32 ([.., vocab shard] when gather is False).
         """
-        num_reqs = len(queries)
-        lens = np.fromiter((len(q) for q in queries), dtype=np.int64, count=num_reqs)
-        max_q = int(lens.max())
-        ids = np.zeros((num_reqs, max_q), dtype=np.int64)  # [B, L]
-        pos = np.zeros((num_reqs, max_q), dtype=np.int64)  # [B, L]
-        write = np.full((num_reqs, max_q), self.kv.scratch_slot, dtype=np.int64)  # [B, L]
-        for i, q in enumerate(queries):
-            n = len(q)
-            ids[i, :n] = q
-            pos[i, :n] = np.arange(starts[i], starts[i] + n)
-            write[i, :n] = slots[i]
-        max_ctx = int(max(s + n for s, n in zip(starts, lens)))
-        if max_ctx > self.max_len:
-            raise ValueError(f"context of {max_ctx} tokens exceeds the KV cache's {self.max_len}")
-        batch = ForwardBatch(
-            input_ids=torch.from_numpy(ids).to(self.device),
-            positions=torch.from_numpy(pos).to(self.device),
-            write_slots=torch.from_numpy(write).to(self.device),
-            read_slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            max_ctx=max_ctx,
-        )
+        batch = ForwardBatch.build(slots, starts, queries, self.kv.scratch_slot, self.device)
+        if batch.max_ctx > self.max_len:
+            raise ValueError(f"context of {batch.max_ctx} tokens exceeds the KV cache's {self.max_len}")
+        lens = [len(q) for q in queries]
         hidden = self.model(batch, self.kv)  # [B, L, hidden]
         # Rows of each request's last num_logits tokens, in request order.
-        b_idx = np.repeat(np.arange(num_reqs), num_logits)
+        b_idx = np.repeat(np.arange(len(queries)), num_logits)
         t_idx = np.concatenate([np.arange(n - k, n) for n, k in zip(lens, num_logits)]) if b_idx.size else b_idx
         rows = hidden[torch.from_numpy(b_idx).to(self.device), torch.from_numpy(t_idx).to(self.device)]
         return self.model.compute_logits(rows, gather=gather)

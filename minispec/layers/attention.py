@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +20,28 @@ class ForwardBatch:
     write_slots: torch.Tensor  # [B, L] int64, slot each token's K/V is written to (scratch slot for padding)
     read_slots: torch.Tensor  # [B] int64, slot each request attends over
     max_ctx: int  # keys read per request: max(positions) + 1 over real tokens
+
+    @staticmethod
+    def build(slots: list[int], starts: list[int], queries: list[list[int]], scratch_slot: int, device) -> "ForwardBatch":
+        """Request i feeds tokens queries[i] at positions starts[i].. into KV slot slots[i]."""
+        num_reqs = len(queries)
+        lens = np.fromiter((len(q) for q in queries), dtype=np.int64, count=num_reqs)
+        max_q = int(lens.max())
+        ids = np.zeros((num_reqs, max_q), dtype=np.int64)  # [B, L]
+        pos = np.zeros((num_reqs, max_q), dtype=np.int64)  # [B, L]
+        write = np.full((num_reqs, max_q), scratch_slot, dtype=np.int64)  # [B, L]
+        for i, q in enumerate(queries):
+            n = len(q)
+            ids[i, :n] = q
+            pos[i, :n] = np.arange(starts[i], starts[i] + n)
+            write[i, :n] = slots[i]
+        return ForwardBatch(
+            input_ids=torch.from_numpy(ids).to(device),
+            positions=torch.from_numpy(pos).to(device),
+            write_slots=torch.from_numpy(write).to(device),
+            read_slots=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_ctx=int((np.asarray(starts, dtype=np.int64) + lens).max()),
+        )
 
 
 def causal_mask(positions: torch.Tensor, max_ctx: int) -> torch.Tensor:

@@ -21,15 +21,7 @@ ATOL = 1e-5
 
 def forward(model, kv, slots, starts, queries, gather=True):
     """Logits of every real token, requests concatenated: [sum(len(q)), vocab]."""
-    B, L = len(queries), max(len(q) for q in queries)
-    ids = torch.zeros(B, L, dtype=torch.int64)
-    pos = torch.zeros(B, L, dtype=torch.int64)
-    write = torch.full((B, L), kv.scratch_slot, dtype=torch.int64)
-    for i, q in enumerate(queries):
-        ids[i, : len(q)] = torch.tensor(q)
-        pos[i, : len(q)] = torch.arange(starts[i], starts[i] + len(q))
-        write[i, : len(q)] = slots[i]
-    batch = ForwardBatch(ids, pos, write, torch.tensor(slots), max(s + len(q) for s, q in zip(starts, queries)))
+    batch = ForwardBatch.build(slots, starts, queries, kv.scratch_slot, "cpu")
     hidden = model(batch, kv)  # [B, L, hidden]
     rows = torch.cat([hidden[i, : len(q)] for i, q in enumerate(queries)])  # [num_tokens, hidden]
     return model.compute_logits(rows, gather=gather)
