@@ -5,20 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from minispec import LLM, SamplingParams
-from tests.utils import make_tiny_model_dir
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 9, 10, 11, 12, 13], [77], list(range(30, 52))]
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("target")), seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    # A different random model over the same vocabulary: a poor but valid draft.
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("draft")), seed=1, num_hidden_layers=1)
 
 
 @pytest.fixture(scope="module")

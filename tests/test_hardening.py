@@ -31,16 +31,6 @@ PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8], [77], list(range(30, 45))]
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("h_target")), seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("h_draft")), seed=1, num_hidden_layers=1)
-
-
-@pytest.fixture(scope="module")
 def vocab300_dir(tmp_path_factory):
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("h_v300")), seed=2, vocab_size=300)
 

@@ -21,16 +21,6 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("target")), seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("draft")), seed=1, num_hidden_layers=1)
-
-
-@pytest.fixture(scope="module")
 def sweep(tmp_path_factory, target_dir, draft_dir):
     out = tmp_path_factory.mktemp("playground")
     rc = main([
