@@ -1,5 +1,4 @@
 """End-to-end engine tests on tiny random models: greedy equals transformers, batching, skips, seeds."""
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
