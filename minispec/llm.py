@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from minispec.distributed import get_tp_group, init_distributed
+from minispec.distributed import init_distributed
 from minispec.engine.engine import Engine, EngineConfig
 from minispec.engine.model_runner import ModelRunner
 from minispec.engine.request import Request

@@ -124,15 +124,6 @@ class ExactLaws:
 
 # ---- fixtures ----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny ops on 48k requests: with other processes on the cores, intra-op threads only wait on each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("target")), seed=3, vocab_size=VOCAB)

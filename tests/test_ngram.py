@@ -22,15 +22,6 @@ from minispec.spec_decode.rejection_sampler import rejection_terms
 from tests.utils import make_tiny_model_dir
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the tiny models are far faster so on a shared, busy CPU."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def ngram_llm(target_dir: str, k: int, min_n: int = 1, max_n: int = 3, **llm_kwargs) -> LLM:
     """An LLM whose engine drafts with NgramProposer(k): a target-only LLM with its engine rebuilt
     around a KV cache with room for the k drafts."""

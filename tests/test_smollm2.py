@@ -25,15 +25,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Batches of a few rows: with other processes on the cores, intra-op threads mostly wait on each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module", autouse=True)
 def load_each_model_once():
     """Memoize minispec.llm.load_model for the module: a model holds no per-run state (KV caches
     live in the runners), so every LLM here shares one SmolLM2 instead of parsing the GGUF again."""
