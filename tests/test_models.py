@@ -86,6 +86,21 @@ def test_padded_batch_equals_each_alone(tiny):
         torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
 
 
+def test_runner_splits_a_long_query_out_of_short_ones(tiny):
+    """A prefill among decodes runs as its own forward; the logits rows come back in request order."""
+    from minispec.engine.model_runner import ModelRunner, length_groups
+
+    assert length_groups([5] * 10 + [400]) == [list(range(10)), [10]]
+    assert length_groups([3, 1, 2]) == [[1, 2, 0]] and length_groups([]) == []
+    assert all(len(length_groups(lens)) == 1 for lens in ([1] * 64, [5] * 16, [30, 40, 50]))
+    _, model = tiny
+    queries = [prompt(300, 6), prompt(1, 7), prompt(2, 8), prompt(290, 9)]
+    runner = ModelRunner(model, 4, 320, dtype=torch.float32, device="cpu")
+    got = runner.forward([0, 1, 2, 3], [0] * 4, queries, [2, 1, 2, 1])  # [6, vocab]
+    want = [run(model, new_kv(model, max_len=320), [0], [0], [q])[0][-n:] for q, n in zip(queries, [2, 1, 2, 1])]
+    torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=0)
+
+
 def test_decode_and_chunks_match_full_forward(tiny):
     """Prefill, token-by-token decode of two requests at different positions, then a 3-token chunk."""
     _, model = tiny

@@ -31,8 +31,25 @@ class ModelRunner:
         """Feed request i's tokens `queries[i]` at positions starts[i].., writing its K/V into slot
         slots[i]; return the logits of each request's last num_logits[i] tokens, concatenated.
 
+        Requests whose query lengths differ a lot (a prefill among decodes) run as separate padded
+        forwards, so one long query does not pad every short one to its length.
         Returns: [sum(num_logits), vocab] float32 ([.., vocab shard] when gather is False).
         """
+        groups = length_groups([len(q) for q in queries])
+        if len(groups) <= 1:
+            return self._forward(slots, starts, queries, num_logits, gather)
+        parts, rows = [], []
+        offsets = np.cumsum([0] + list(num_logits))
+        for g in groups:
+            parts.append(self._forward([slots[i] for i in g], [starts[i] for i in g], [queries[i] for i in g],
+                                       [num_logits[i] for i in g], gather))
+            rows += [np.arange(offsets[i], offsets[i + 1]) for i in g]
+        out = torch.empty(int(offsets[-1]), parts[0].shape[-1], dtype=parts[0].dtype, device=parts[0].device)
+        out[torch.from_numpy(np.concatenate(rows)).to(out.device)] = torch.cat(parts)
+        return out
+
+    def _forward(self, slots, starts, queries, num_logits, gather: bool) -> torch.Tensor:
+        """One padded forward over all the given requests (see forward)."""
         batch = ForwardBatch.build(slots, starts, queries, self.kv.scratch_slot, self.device)
         if batch.max_ctx > self.max_len:
             raise ValueError(f"context of {batch.max_ctx} tokens exceeds the KV cache's {self.max_len}")
@@ -43,3 +60,22 @@ class ModelRunner:
         t_idx = np.concatenate([np.arange(n - k, n) for n, k in zip(lens, num_logits)]) if b_idx.size else b_idx
         rows = hidden[torch.from_numpy(b_idx).to(self.device), torch.from_numpy(t_idx).to(self.device)]
         return self.model.compute_logits(rows, gather=gather)
+
+
+def length_groups(lens: list[int], max_waste: int = 256) -> list[list[int]]:
+    """Request indices in groups of similar query length: padding a group to its longest query wastes
+    at most max(max_waste, a quarter of its real tokens) token positions. One group when all are alike."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    real = 0
+    for i in order:
+        waste = (len(cur) + 1) * lens[i] - (real + lens[i])  # sorted ascending: lens[i] is the longest
+        if cur and waste > max(max_waste, (real + lens[i]) // 4):
+            groups.append(cur)
+            cur, real = [], 0
+        cur.append(i)
+        real += lens[i]
+    if cur:
+        groups.append(cur)
+    return groups
