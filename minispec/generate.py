@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--draft-dtype", default=None, help="the draft model's dtype (default: --dtype)")
     p.add_argument("--stream", action="store_true", help="print text as tokens are accepted")
     p.add_argument("--output-json", default=None, metavar="FILE", help="write one object per prompt")
     return p
@@ -121,7 +122,7 @@ def run(args, parser, prompts: list[str]) -> int:
                   draft=args.draft if args.draft is not None else (DEFAULT_DRAFT if args.target is None else None),
                   num_speculative_tokens=args.num_speculative_tokens, tensor_parallel_size=args.tp,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  dtype=args.dtype, max_model_len=args.max_model_len,
+                  dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len,
                   ngram_n=(args.ngram_min, args.ngram_max), adaptive_k=args.adaptive_k)
         for p in prompts:  # reject bad prompts before any work starts
             ids = llm.encode(p, args.chat)

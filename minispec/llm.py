@@ -15,6 +15,7 @@ from minispec.engine.request import Request
 from minispec.models.loader import load_model
 from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.adaptive import AdaptiveK
+from minispec.spec_decode.costs import MeasuredCosts
 from minispec.spec_decode.ngram import NgramProposer
 from minispec.spec_decode.proposer import DraftModelProposer
 from minispec.utils import parse_dtype
@@ -47,6 +48,7 @@ class RequestOutput:
 class LLM:
     """A target model, an optional proposer, and the engine that runs them.
 
+    draft_dtype: the draft model's dtype (default: dtype); e.g. "bfloat16" for a float32 target.
     adaptive_k: each request chooses its speculation length from its running acceptance and turns
     speculation off when it does not pay (spec_decode/adaptive.py).
 
@@ -69,6 +71,7 @@ class LLM:
         shard_draft_logits: bool | None = None,
         ngram_n: tuple[int, int] = (1, 3),
         adaptive_k: bool = False,
+        draft_dtype: str | torch.dtype | None = None,
     ):
         if draft is not None and not 1 <= num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be in [1, 32], got {num_speculative_tokens}")
@@ -81,6 +84,7 @@ class LLM:
                 f"launch with torchrun --nproc-per-node {tensor_parallel_size}"
             )
         torch_dtype = parse_dtype(dtype)
+        draft_torch_dtype = torch_dtype if draft_dtype is None else parse_dtype(draft_dtype)
         self.device = torch.device(device) if device else tp.device
         self.target = load_model(target, dtype=torch_dtype, device=self.device)
         self.tokenizer = self.target.tokenizer
@@ -88,7 +92,7 @@ class LLM:
         k = num_speculative_tokens if draft is not None else 0
         max_len = min(max_model_len or 2048, self.target.max_model_len)
         if draft is not None and draft != "ngram":
-            self.draft = load_model(draft, dtype=torch_dtype, device=self.device)
+            self.draft = load_model(draft, dtype=draft_torch_dtype, device=self.device)
             if self.draft.vocab_size != self.target.vocab_size:
                 raise ValueError(
                     f"draft vocabulary ({self.draft.vocab_size} tokens, {self.draft.name}) differs from the "
@@ -103,14 +107,15 @@ class LLM:
         if draft == "ngram":
             proposer = NgramProposer(k, *ngram_n, device=self.device)
         elif self.draft is not None:
-            draft_runner = ModelRunner(self.draft.model, max_num_seqs, kv_len, dtype=torch_dtype, device=self.device)
+            draft_runner = ModelRunner(self.draft.model, max_num_seqs, kv_len, dtype=draft_torch_dtype,
+                                       device=self.device)
             proposer = DraftModelProposer(draft_runner, k)
         k_policy = None
         if adaptive_k and proposer is not None:
-            # Cost model in target decode steps: a draft token costs the draft/target size ratio (0 for
-            # n-gram lookup); each extra verified position ~0.14 (5 positions ~1.55x one, measured here).
-            c = 0.0 if self.draft is None else param_bytes(self.draft.model) / param_bytes(self.target.model)
-            k_policy = AdaptiveK(k, draft_cost=c, verify_costs=[1.0 + 0.14 * i for i in range(k + 1)])
+            # Draft and verify costs measured on these models at each batch size the engine runs.
+            costs = MeasuredCosts(self.target.model, "ngram" if self.draft is None else self.draft.model, k,
+                                  max_num_seqs, self.target.vocab_size, torch_dtype, self.device)
+            k_policy = AdaptiveK(k, cost_model=costs)
         self.engine = Engine(target_runner, proposer, config, self.target.eos_token_ids, self.target.vocab_size,
                              k_policy=k_policy)
         if seed is None:

@@ -11,7 +11,7 @@ import pytest
 from minispec import LLM, SamplingParams
 from minispec.playground.__main__ import main
 from minispec.playground.config import load_config, parse_list
-from minispec.playground.costs import fit_verify_ratios
+from minispec.spec_decode.costs import fit_verify_ratios
 from minispec.playground.prompts import BUILTIN_PROMPTS, load_prompt_set
 from minispec.spec_decode.adaptive import AdaptiveK, expected_tokens
 from tests.utils import make_tiny_model_dir, requires_smollm2
@@ -182,6 +182,28 @@ def test_adaptive_in_engine_is_lossless(target_dir, draft_dir):
     for o in outs:
         m = o.metrics
         assert m["num_accepted_tokens"] <= m["num_draft_tokens"] <= 3 * m["num_drafts"]
+
+
+def test_measured_costs_drive_adaptive_k(target_dir):
+    """LLM(adaptive_k=True): costs measured per power-of-two batch bucket on the engine's own models. The
+    target as its own draft costs as much as the target (c ~ 1), so speculation never pays: k = 0 except
+    for the periodic one-token probes, and the output is still target-only greedy."""
+    from minispec.spec_decode.costs import MeasuredCosts
+
+    prompts = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 9, 10], list(range(30, 52))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(target=target_dir, max_num_seqs=4).generate(prompts, params)]
+    llm = LLM(target=target_dir, draft=target_dir, num_speculative_tokens=3, max_num_seqs=4, adaptive_k=True)
+    pol = llm.engine.k_policy
+    costs = pol.cost_model
+    assert isinstance(costs, MeasuredCosts)
+    assert [costs.bucket(b) for b in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, 4]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    assert set(costs.table) <= {1, 2, 4} and 4 in costs.table
+    c, verify = costs.table[4]
+    assert c > 0.5 and len(verify) == 4 and verify[0] == 1.0 and min(verify) >= 1.0
+    assert list(pol.costs) == pytest.approx([1.0] + [k * c + verify[k] for k in (1, 2, 3)])
+    assert pol.counts[0] > pol.counts[1:].sum()  # off but for the probes
 
 
 def test_config_and_overrides(tmp_path):

@@ -46,7 +46,7 @@ class Engine:
                  eos_token_ids: set[int], vocab_size: int, k_policy=None):
         self.tp = get_tp_group()
         self.target = target
-        # Optional per-request speculation length: k_policy(req) -> k in [0, proposer.k].
+        # Optional per-request speculation length: k_policy(req, batch_size) -> k in [0, proposer.k].
         self.k_policy = k_policy
         self.proposer = proposer
         self.config = config
@@ -294,7 +294,7 @@ class Engine:
 
     def _draft(self, reqs: list[Request]) -> None:
         """Give out draft-logits rows by batch position, then draft each request's k tokens."""
-        ks = [self.k_policy(r) if self.k_policy is not None else self.k for r in reqs]
+        ks = [self.k_policy(r, len(reqs)) if self.k_policy is not None else self.k for r in reqs]
         reqs = [r for r, k in zip(reqs, ks) if k > 0]
         ks = [k for k in ks if k > 0]
         if not reqs:

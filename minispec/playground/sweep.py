@@ -16,7 +16,7 @@ import torch
 
 import minispec.llm
 from minispec.llm import LLM
-from minispec.playground.costs import measure_costs
+from minispec.spec_decode.costs import measure_costs
 from minispec.playground.prompts import load_prompt_set
 from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.adaptive import AdaptiveK, expected_tokens
@@ -146,8 +146,8 @@ class _CountingPolicy:
         self.inner = inner
         self.counts = np.zeros(k_max + 1, dtype=np.int64)  # [k_max + 1]
 
-    def __call__(self, req) -> int:
-        k = self.inner(req) if self.inner is not None else self.k_max
+    def __call__(self, req, batch_size: int = 1) -> int:
+        k = self.inner(req, batch_size) if self.inner is not None else self.k_max
         self.counts[k] += 1
         return k
 

@@ -10,7 +10,10 @@ tokens and costs, in units of one plain target decode step,
     cost(k) = k * c + v[k]        (v[0] = 1: a plain decode)
 
 where c is the draft's cost per drafted token relative to a target decode step (~0 for n-gram
-lookup) and v[k] the cost of a (k + 1)-token target forward relative to a 1-token one. The
+lookup) and v[k] the cost of a (k + 1)-token target forward relative to a 1-token one. Both depend
+on the batch size (a CPU or a big batch turns verification compute-bound), so a cost_model measured
+at each batch size (spec_decode/costs.MeasuredCosts, what LLM(adaptive_k=True) uses) replaces the
+fixed draft_cost / verify_costs: that is what keeps speculation from running slower than plain decoding. The
 policy picks the k in [0, k_max] with the most tokens per unit cost, E[tokens | k] / cost(k), and
 k = 0 (speculation off) unless some k beats plain decoding (1 token per unit) by the factor
 `margin`.
@@ -62,7 +65,8 @@ class AdaptiveK:
 
     k_max: the engine's num_speculative_tokens. draft_cost: c, draft cost per drafted token over a
     target decode step. verify_costs: v[0..k_max] (v[0] = 1), or None for free verification
-    (v[k] = 1). draft_steps_fixed: charge k_max * c whenever k > 0 (for a proposer that always drafts
+    (v[k] = 1). cost_model: batch_size -> (draft_cost, verify_costs), used instead of the fixed pair when
+    given. draft_steps_fixed: charge k_max * c whenever k > 0 (for a proposer that always drafts
     k_max tokens and truncates; the engine's proposers draft only the batch's largest chosen k).
     See the module docstring.
     """
@@ -78,6 +82,7 @@ class AdaptiveK:
         margin: float = 1.0,
         probe_every: int = 8,
         draft_steps_fixed: bool = False,
+        cost_model=None,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
@@ -87,24 +92,37 @@ class AdaptiveK:
             raise ValueError(f"prior_alpha must be in [0, 1], got {prior_alpha}")
         if prior_weight <= 0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
-        v = np.ones(k_max + 1) if verify_costs is None else np.asarray(verify_costs, dtype=np.float64)
-        if v.shape != (k_max + 1,):
-            raise ValueError(f"verify_costs needs k_max + 1 = {k_max + 1} entries (v[0] = 1), got {v.shape[0]}")
         self.k_max = k_max
-        self.draft_cost = float(draft_cost)
-        self.verify_costs = v
+        self.draft_steps_fixed = draft_steps_fixed
+        self.cost_model = cost_model
+        self.costs = self.step_costs(draft_cost, verify_costs)  # [k_max + 1] cost of a step with k drafts
+        self._costs_by_batch: dict[int, np.ndarray] = {}
         self.decay = decay
         self.prior_alpha = prior_alpha
         self.prior_weight = prior_weight
         self.margin = margin
         self.probe_every = probe_every
-        self.draft_steps_fixed = draft_steps_fixed
-        ks = np.arange(k_max + 1)
-        drafting = np.where(ks > 0, k_max if draft_steps_fixed else ks, 0)
-        self.costs = drafting * self.draft_cost + v  # [k_max + 1] cost of a step with k drafts
-        self.costs[0] = 1.0
         self.states: dict[str, _RequestState] = {}
         self.counts = np.zeros(k_max + 1, dtype=np.int64)  # [k_max + 1] how often each k was chosen
+
+    def step_costs(self, draft_cost: float, verify_costs: Sequence[float] | None) -> np.ndarray:
+        """[k_max + 1] cost of a step with k drafts, in plain decode steps (entry 0 is 1)."""
+        v = np.ones(self.k_max + 1) if verify_costs is None else np.asarray(verify_costs, dtype=np.float64)
+        if v.shape != (self.k_max + 1,):
+            raise ValueError(f"verify_costs needs k_max + 1 = {self.k_max + 1} entries (v[0] = 1), got {v.shape[0]}")
+        ks = np.arange(self.k_max + 1)
+        drafting = np.where(ks > 0, self.k_max if self.draft_steps_fixed else ks, 0)
+        costs = drafting * float(draft_cost) + v
+        costs[0] = 1.0
+        return costs
+
+    def use_batch_size(self, batch_size: int) -> None:
+        """Switch self.costs to the cost model's at batch_size (no-op without a cost model)."""
+        if self.cost_model is None:
+            return
+        if batch_size not in self._costs_by_batch:
+            self._costs_by_batch[batch_size] = self.step_costs(*self.cost_model(batch_size))
+        self.costs = self._costs_by_batch[batch_size]
 
     def choose(self, alpha: float) -> int:
         """The k in [0, k_max] with the most expected tokens per unit cost at acceptance alpha."""
@@ -126,8 +144,10 @@ class AdaptiveK:
         s.successes = self.decay * s.successes + num_accepted
         s.trials = self.decay * s.trials + num_accepted + (1 if num_accepted < num_drafted else 0)
 
-    def __call__(self, req) -> int:
-        """Engine hook: called once per verified request per step, after its counters were updated."""
+    def __call__(self, req, batch_size: int = 1) -> int:
+        """Engine hook: called once per verified request per step (batch_size of them), after its counters
+        were updated."""
+        self.use_batch_size(batch_size)
         m = req.metrics
         s = self.states.get(req.req_id)
         if s is None or s.req is not req:
