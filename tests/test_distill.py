@@ -197,3 +197,69 @@ def test_tied_target_gives_tied_draft(tmp_path):
 
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "d"))
     assert again.lm_head.weight is again.model.embed_tokens.weight
+
+
+def test_narrow_draft_projects_the_target_read_out(tiny_target):
+    """hidden_size = d: the tied embedding is the target's LM head on the top-d directions of its final
+    hidden states; at d = the target's width that basis is a rotation, so the read-out is exact."""
+    from minispec.distill import build_draft, load_hf_target
+    from minispec.distill.draft import hidden_basis
+
+    target, tokenizer = load_hf_target(tiny_target)
+    records = [{"ids": torch.tensor(tokenizer(p * 8).input_ids, dtype=torch.int32)}
+               for p in ("Tell me about the sea. ", "How do I boil an egg? Explain in three steps. ")]
+    width = target.config.hidden_size
+    basis, _ = hidden_basis(target, records, width)
+    torch.testing.assert_close(basis.T @ basis, torch.eye(width), atol=1e-4, rtol=0)
+    h = target.model(input_ids=records[0]["ids"].long()[None]).last_hidden_state[0]  # [L, H]
+    torch.testing.assert_close((h @ basis) @ (target.lm_head.weight @ basis).T, target.lm_head(h), atol=1e-4, rtol=0)
+
+    cfg = DistillConfig(num_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                        num_key_value_heads=1, init="random", freeze_embeddings=False)
+    draft = build_draft(target, cfg, records=records)
+    c = draft.config
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
+        (32, 48, 2, 1, 16)
+    assert c.tie_word_embeddings and draft.lm_head.weight is draft.model.embed_tokens.weight
+    basis, rms = hidden_basis(target, records, 32)
+    torch.testing.assert_close(draft.model.embed_tokens.weight, target.lm_head.weight @ basis)
+    torch.testing.assert_close(draft.model.norm.weight, torch.full((32,), rms))
+    with pytest.raises(ValueError, match="records"):
+        build_draft(target, cfg)
+    with pytest.raises(ValueError, match="positions"):
+        hidden_basis(target, [{"ids": records[0]["ids"][:10]}], 32)
+    for bad, match in ((dict(hidden_size=32), "init"), (dict(hidden_size=32, init="random"), "freeze"),
+                       (dict(intermediate_size=64), "hidden_size"), (dict(gen_temperature=0.0, samples_per_prompt=2),
+                                                                     "samples_per_prompt"),
+                       (dict(save_dtype="int8"), "save_dtype")):
+        with pytest.raises(ValueError, match=match):
+            cfg_bad = DistillConfig(**bad)
+            cfg_bad.validate()
+            build_draft(target, cfg_bad, records=records)
+
+
+def test_narrow_bf16_draft_end_to_end(tiny_target, tmp_path):
+    """The shipped recipe's shape on a tiny target: greedy bf16 responses to train + synthetic prompts, a
+    narrow draft exported in bfloat16 that transformers and minispec load (greedy = target alone)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(TINY_CONFIG, target=tiny_target, hidden_size=32, num_attention_heads=2, init="random",
+                      freeze_embeddings=False, save_dtype="bfloat16", gen_temperature=0.0, gen_dtype="bfloat16",
+                      synth_prompts=4, steps=2, engine_every=0)
+    result = run_distill(cfg, tmp_path, progress=False, log=lambda *_: None)
+    assert len(torch.load(tmp_path / "data.pt", weights_only=False)["train"]) == 6 + 4
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    draft = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert draft.config.hidden_size == 32 and draft.config.num_hidden_layers == 1
+    assert 0.0 <= result["final"]["alpha_engine"] <= 1.0
+
+    from minispec.llm import LLM
+    from minispec.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    alone = LLM(target=tiny_target).generate(["Write a haiku about the sea."], sp)
+    spec = LLM(target=tiny_target, draft=str(tmp_path), num_speculative_tokens=3).generate(
+        ["Write a haiku about the sea."], sp)
+    assert spec[0].token_ids == alone[0].token_ids and spec[0].metrics["num_drafts"] > 0

@@ -42,3 +42,20 @@ def test_filters():
         load_prompts("test")
     with pytest.raises(ValueError):
         load_prompts("eval", categories=["cooking"])
+
+
+def test_synthetic_prompts_are_distinct_balanced_and_keep_eval_held_out():
+    from minispec.data.synth import synth_count, synth_prompts
+
+    assert synth_count() >= 4000
+    first = synth_prompts(3000, seed=0)
+    assert len(set(first)) == 3000 and synth_prompts(3000, seed=0) == first != synth_prompts(3000, seed=1)
+    assert synth_prompts(20) == first[:20]  # a prefix of the same shuffle
+    assert not set(first) & set(load_prompts("all"))
+    evl = " ".join(load_prompts("eval")).lower()
+    data = json.loads((PROMPTS_PATH.parent / "synth.json").read_text())
+    for category in CATEGORIES:
+        assert all(t.lower() not in evl for t in data["topics"][category])
+    assert "{topic}" not in " ".join(first)
+    with pytest.raises(ValueError, match="available"):
+        synth_prompts(synth_count() + 1)

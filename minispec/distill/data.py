@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 
 from minispec.data import load_prompts
+from minispec.utils import parse_dtype
 
 from .config import DistillConfig
 
-DATA_VERSION = 1
+DATA_VERSION = 2
 
 
 def use_chat(cfg: DistillConfig, tokenizer) -> bool:
@@ -24,6 +25,9 @@ def use_chat(cfg: DistillConfig, tokenizer) -> bool:
 def split_prompts(cfg: DistillConfig) -> tuple[list[str], list[str]]:
     """(train prompts, held-out eval prompts) as configured."""
     train = load_prompts("train", limit=cfg.train_prompts or None)
+    if cfg.synth_prompts:
+        from minispec.data.synth import synth_prompts
+        train += synth_prompts(cfg.synth_prompts, seed=cfg.seed)
     evl = load_prompts("eval", limit=cfg.eval_prompts) if cfg.eval_prompts else []
     return train, evl
 
@@ -101,7 +105,7 @@ def build_data(cfg: DistillConfig, path: Path, device,
     seqs = generate_responses(cfg, prompts, seeds, device)
     gen_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    target, tokenizer = load_hf_target(cfg.target)
+    target, tokenizer = load_hf_target(cfg.target, dtype=parse_dtype(cfg.teacher_dtype))
     target.to(device)
     records = teacher_topk(target, seqs, cfg.top_k, cfg.teacher_batch, device)
     n_train = len(train_prompts) * cfg.samples_per_prompt

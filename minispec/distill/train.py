@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minispec.utils import parse_dtype
+
 from .config import DistillConfig
 from .data import build_data, use_chat
 from .draft import build_draft, clean_config, export_draft, load_hf_target, set_trainable
@@ -207,6 +209,7 @@ def run_distill(cfg: DistillConfig, out_dir: str | Path, resume: bool = False, p
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     phases: dict[str, float] = {}
+    save_dtype = parse_dtype(cfg.save_dtype)
 
     t0 = time.perf_counter()
     data, target, tokenizer = build_data(cfg, out_dir / "data.pt", device, log)
@@ -229,8 +232,8 @@ def run_distill(cfg: DistillConfig, out_dir: str | Path, resume: bool = False, p
     else:
         if target is None:
             target, tokenizer = load_hf_target(cfg.target)
-        draft = build_draft(target, cfg, device)
-        export_draft(draft, out_dir, tokenizer)  # the tokenizer once; later exports rewrite the weights only
+        draft = build_draft(target, cfg, device, records=train)
+        export_draft(draft, out_dir, tokenizer, save_dtype)  # the tokenizer once; later exports rewrite the weights only
         layer_ids = cfg.init_layers or list(range(cfg.num_layers))
         what = f"target layers {layer_ids}" if cfg.init == "target" else "random layers"
         log(f"draft: {cfg.num_layers} layers ({what}), hidden {draft.config.hidden_size}, "
@@ -257,7 +260,7 @@ def run_distill(cfg: DistillConfig, out_dir: str | Path, resume: bool = False, p
         entry.update(evaluate_teacher_forced(draft, held_out, cfg, device))
         if entry.pop("_engine", False) and engine_eval is not None:
             t = time.perf_counter()
-            export_draft(draft, out_dir)
+            export_draft(draft, out_dir, dtype=save_dtype)
             entry.update(engine_eval(draft, out_dir))
             engine_s += time.perf_counter() - t
         history.append(entry)
@@ -305,7 +308,7 @@ def run_distill(cfg: DistillConfig, out_dir: str | Path, resume: bool = False, p
 
     # Final: checkpoint, export, one last evaluation (teacher-forced + engine).
     save_checkpoint(ckpt_path, draft, optimizer, step, train_s, history, cfg)
-    export_draft(draft, out_dir)
+    export_draft(draft, out_dir, dtype=save_dtype)
     t = time.perf_counter()
     final = {"step": step, "train_s": round(train_s, 1), "stopped_by": stop}
     final.update(evaluate_teacher_forced(draft, held_out, cfg, device))
