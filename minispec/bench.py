@@ -17,7 +17,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 import tomllib
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from minispec.llm import DEFAULT_TARGET, param_bytes
+from minispec.spec_decode.costs import measure_costs
 from minispec.utils import read_toml
 
 NGRAM = "ngram"
@@ -72,6 +72,7 @@ class BenchConfig:
     threads: int | None = None  # torch CPU threads; None: torch's default
     chat: bool = True  # apply the target's chat template when it has one
     cost_reps: int = 20  # timed forwards per cost-ratio measurement
+    adaptive: bool = True  # also run each draft with AdaptiveK (measured costs; may turn speculation off)
     bandwidth_mib: int = 512  # size of the tensor copied to measure memory bandwidth
 
 
@@ -103,19 +104,11 @@ def check_config(cfg: BenchConfig) -> None:
 # ---- models and prompts ------------------------------------------------------------------------
 
 
-def hf_source(spec: str) -> tuple[str, dict]:
-    """(from_pretrained path, kwargs) of a model spec: alias, HF directory, .gguf file or hub id."""
-    from minispec.models.loader import ALIASES, resolve_alias
-
-    path = resolve_alias(spec) if spec.lower() in ALIASES else os.path.expanduser(spec)
-    if path.lower().endswith(".gguf"):
-        return os.path.dirname(path) or ".", {"gguf_file": os.path.basename(path)}
-    return path, {}
-
-
 def load_hf(spec: str, dtype: torch.dtype, device: torch.device):
     """transformers' own model (and tokenizer) for a spec, in eval mode on device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from minispec.models.loader import hf_source
 
     path, kw = hf_source(spec)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval()
@@ -200,29 +193,6 @@ def measure_bandwidth(device: torch.device, mib: int, reps: int = 5) -> float:
     return 2 * n * 4 / best / 1e9
 
 
-def time_forwards(cases: list[tuple], ctx: int, reps: int) -> list[float]:
-    """Median seconds of one forward for each case (runner, batch_size, num_tokens): every request of the
-    batch feeds num_tokens tokens at context ctx. Cases are timed interleaved, so drift hits all alike.
-
-    Writes K/V into slots 0..batch_size-1; call only while the runners' engines have no request running.
-    """
-    prefix = np.random.default_rng(0).integers(0, 100, size=ctx).tolist()
-    for runner in {id(c[0]): c[0] for c in cases}.values():
-        b = max(c[1] for c in cases if c[0] is runner)
-        runner.forward(list(range(b)), [0] * b, [prefix] * b, [1] * b)  # the context's K/V
-    times = [[] for _ in cases]
-    for rep in range(reps + 2):  # the first two are warm-up
-        for case, ts in zip(cases, times):
-            runner, b, n = case
-            sync(runner.device)
-            t = time.perf_counter()
-            runner.forward(list(range(b)), [ctx] * b, [prefix[:n]] * b, [n] * b)
-            sync(runner.device)
-            if rep >= 2:
-                ts.append(time.perf_counter() - t)
-    return [statistics.median(ts) for ts in times]
-
-
 # ---- rows ---------------------------------------------------------------------------------
 
 
@@ -246,18 +216,21 @@ class Row:
         return f"{self.system} {self.method} {draft_label(self.draft)} b={self.batch_size} T={self.temperature:g}"
 
 
-def minispec_runner(llm, cfg: BenchConfig, temperature: float):
-    """A row's run function for a minispec LLM: each batch submitted together, seeded per prompt."""
+def minispec_runner(llm, cfg: BenchConfig, temperature: float, k_policy=None):
+    """A row's run function for a minispec LLM: each batch submitted together, seeded per prompt; k_policy
+    (e.g. AdaptiveK) is the engine's while the row runs."""
     from minispec.sampling_params import SamplingParams
 
     def run(batches, max_tokens):
         tokens, outputs = 0, []
+        llm.engine.k_policy = k_policy
         for batch in batches:
             params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
                                      seed=cfg.seed + i) for i, _ in batch]
             outs = llm.generate([p for _, p in batch], params)
             tokens += sum(len(o.token_ids) for o in outs)
             outputs += outs
+        llm.engine.k_policy = None
         return tokens, outputs
 
     return run
@@ -288,7 +261,8 @@ def hf_runner(model, pad_id: int, cfg: BenchConfig, temperature: float, **extra)
     return run
 
 
-def build_rows(cfg: BenchConfig, hf_target, hf_drafts: dict, llms: dict, pad_id: int) -> list[Row]:
+def build_rows(cfg: BenchConfig, hf_target, hf_drafts: dict, llms: dict, pad_id: int,
+               policies: dict | None = None) -> list[Row]:
     """Every row in table order: transformers first, then minispec; batch size, then temperature."""
     rows = []
     for b in cfg.batch_sizes:
@@ -307,6 +281,8 @@ def build_rows(cfg: BenchConfig, hf_target, hf_drafts: dict, llms: dict, pad_id:
             rows.append(Row("minispec", "target-only", None, b, t, minispec_runner(llms[None], cfg, t)))
             for d in cfg.drafts:
                 rows.append(Row("minispec", "speculative", d, b, t, minispec_runner(llms[d], cfg, t)))
+            for d, policy in (policies or {}).items():
+                rows.append(Row("minispec", "adaptive-k", d, b, t, minispec_runner(llms[d], cfg, t, policy)))
     return rows
 
 
@@ -378,7 +354,18 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     load_s = time.perf_counter() - t_load
 
-    rows = build_rows(cfg, hf_target, hf_drafts, llms, pad_id)
+    policies = {}
+    if cfg.adaptive:  # one AdaptiveK per draft, its costs measured on that LLM's models per batch bucket
+        from minispec.spec_decode.adaptive import AdaptiveK
+        from minispec.spec_decode.costs import MeasuredCosts
+
+        for d in cfg.drafts:
+            costs = MeasuredCosts(llms[d].target.model, NGRAM if d == NGRAM else llms[d].draft.model, cfg.k, max_b,
+                                  llms[d].target.vocab_size, dtype, device)
+            for b in sorted({costs.bucket(n) for n in range(1, max_b + 1)}):  # measured now, not inside a timed row
+                costs(b)
+            policies[d] = AdaptiveK(cfg.k, cost_model=costs)
+    rows = build_rows(cfg, hf_target, hf_drafts, llms, pad_id, policies)
     runnable = [r for r in rows if r.run is not None]
     batches = {b: batches_of(prompts, b) for b in cfg.batch_sizes}
     bar = tqdm(total=len(runnable) * (cfg.rounds + 1), desc="bench", unit="run", disable=not progress,
@@ -393,15 +380,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     # Machine figures: bandwidth, and minispec's forward cost ratios at each batch size.
     bandwidth = measure_bandwidth(device, cfg.bandwidth_mib)
     ctx = min(int(np.mean([len(p) for p in prompts])) + cfg.max_tokens // 2, max_len - 1)
-    target_runner = llms[None].engine.target
-    decode_s, verify_s, draft_s = {}, {}, {d: {} for d in cfg.drafts if d != NGRAM}
+    model_drafts = {d: llms[d].draft.model for d in cfg.drafts if d != NGRAM}
+    decode_s, verify_ratio, draft_c = {}, {}, {d: {} for d in model_drafts}
     for b in cfg.batch_sizes:
         bar.set_postfix_str(f"cost ratios b={b}", refresh=True)
-        cases = [(target_runner, b, 1), (target_runner, b, cfg.k + 1)]
-        cases += [(llms[d].engine.proposer.runner, b, 1) for d in draft_s]
-        decode_s[b], verify_s[b], *per_draft = time_forwards(cases, ctx, cfg.cost_reps)
-        for d, s in zip(draft_s, per_draft):
-            draft_s[d][b] = s
+        costs = measure_costs(llms[None].target.model, model_drafts, cfg.k, b, ctx, cfg.cost_reps,
+                              llms[None].target.vocab_size, dtype, device, NGRAM_N, cfg.seed)
+        decode_s[b], verify_ratio[b] = costs["target_step_ms"] / 1e3, costs["verify_ratio"][cfg.k]
+        for d in model_drafts:
+            draft_c[d][b] = costs["c"][d]
 
     # The rounds: every row once per round, the order reversed every other round.
     for rnd in range(cfg.rounds):
@@ -438,8 +425,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         if r.system == "minispec" and r.method == "speculative" and r.outputs:
             m = aggregate_metrics(r.outputs)
             alpha = per_token_acceptance(m, r.tokens, len(r.outputs), cfg.k)
-            c = 0.0 if r.draft == NGRAM else draft_s[r.draft][r.batch_size] / decode_s[r.batch_size]
-            v = verify_s[r.batch_size] / decode_s[r.batch_size]
+            c = 0.0 if r.draft == NGRAM else draft_c[r.draft][r.batch_size]
+            v = verify_ratio[r.batch_size]
             pred = predicted_speedup(alpha, cfg.k, c, v)
             meas = ts / ms_base[key] if ts and ms_base.get(key) else None
             d.update(acceptance_rate=m["acceptance_rate"], mean_accepted_length=m["mean_accepted_length"],
@@ -447,6 +434,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                      engine_efficiency=meas / pred if meas else None, num_drafts=m["num_drafts"],
                      num_draft_tokens=m["num_draft_tokens"], num_accepted_tokens=m["num_accepted_tokens"],
                      accepted_per_position=m["accepted_per_position"])
+        elif r.system == "minispec" and r.method == "adaptive-k" and r.outputs:
+            m = aggregate_metrics(r.outputs)
+            d.update(acceptance_rate=m["acceptance_rate"], mean_accepted_length=m["mean_accepted_length"],
+                     measured_speedup=ts / ms_base[key] if ts and ms_base.get(key) else None,
+                     num_drafts=m["num_drafts"], num_draft_tokens=m["num_draft_tokens"],
+                     num_accepted_tokens=m["num_accepted_tokens"])
         out_rows.append(d)
 
     bytes_per_token = param_bytes(llms[None].target.model)
@@ -483,10 +476,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         "costs": {
             "context": ctx,
             "target_decode_s": {str(b): s for b, s in decode_s.items()},
-            "verify_ratio": {str(b): verify_s[b] / decode_s[b] for b in decode_s},
+            "verify_ratio": {str(b): v for b, v in verify_ratio.items()},
             # n-gram lookup runs no forward: c = 0 (its host-side cost shows in the engine efficiency).
             "draft_cost_ratio": {d: {str(b): 0.0 for b in cfg.batch_sizes} if d == NGRAM else
-                                 {str(b): s / decode_s[b] for b, s in draft_s[d].items()} for d in cfg.drafts},
+                                 {str(b): c for b, c in draft_c[d].items()} for d in cfg.drafts},
         },
         "rows": out_rows,
     }
@@ -562,6 +555,8 @@ def format_table(result: dict) -> str:
         "acceptance (MLE, n-gram misses count as rejections).",
         "pred = (1 - alpha^(k+1)) / (1 - alpha) / (k*c + verify); eff = speedup / pred (1.0: the engine loses nothing "
         "beyond the forwards).",
+        "adaptive-k: the same draft with AdaptiveK: each request's k in [0, k] from its running acceptance and the "
+        "draft / verify costs measured at the batch size (0 = speculation off where it does not pay).",
     ]
     return "\n".join(lines)
 
@@ -602,6 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the target's chat template (default: on)")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run each draft with adaptive k (default: on)")
     p.add_argument("--cost-reps", type=int, default=None, help="timed forwards per cost-ratio measurement")
     p.add_argument("--bandwidth-mib", type=int, default=None, help="tensor size of the bandwidth copy")
     p.add_argument("--out", default=None, metavar="FILE", help="write the result as JSON")
@@ -618,7 +615,7 @@ def config_from_args(args) -> BenchConfig:
     if args.draft is not None:
         cfg.drafts = [d for d in args.draft if d.lower() != "none"]
     for name in ("target", "k", "batch_sizes", "temperatures", "max_tokens", "num_prompts", "rounds", "seed",
-                 "dtype", "device", "threads", "chat", "cost_reps", "bandwidth_mib"):
+                 "dtype", "device", "threads", "chat", "cost_reps", "bandwidth_mib", "adaptive"):
         value = getattr(args, name)
         if value is not None:
             setattr(cfg, name, value)

@@ -17,11 +17,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default=None, help="target model: alias, HF dir, .gguf file or hub id "
                    "(default: smollm2-135m-instruct)")
-    p.add_argument("--draft", default=None, help="draft model (same forms as --target), or 'ngram' for "
-                   "prompt lookup; omit for target-only")
+    p.add_argument("--draft", default=None, help="draft model (same forms as --target), 'ngram' for prompt "
+                   "lookup, or 'none' for target-only (default: the draft shipped for the target, if any)")
     p.add_argument("--ngram-min", type=int, default=1, help="smallest n-gram matched by --draft ngram")
-    p.add_argument("--adaptive-k", action="store_true",
-                   help="per-request speculation length from running acceptance (may turn it off)")
+    p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=None,
+                   help="per-request speculation length from running acceptance and measured costs; turns "
+                        "speculation off where it does not pay (default: on with the shipped draft, off with --draft)")
     p.add_argument("--ngram-max", type=int, default=3, help="largest n-gram matched by --draft ngram")
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     p.add_argument("--prompt-file", default=None, help="a file of prompts: one per line, or a JSON list of strings")
@@ -119,7 +120,7 @@ def run(args, parser, prompts: list[str]) -> int:
 
     try:
         llm = LLM(target=args.target or DEFAULT_TARGET,
-                  draft=args.draft if args.draft is not None else (DEFAULT_DRAFT if args.target is None else None),
+                  draft=None if args.draft == "none" else args.draft or DEFAULT_DRAFT,
                   num_speculative_tokens=args.num_speculative_tokens, tensor_parallel_size=args.tp,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len,

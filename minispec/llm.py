@@ -21,7 +21,8 @@ from minispec.spec_decode.proposer import DraftModelProposer
 from minispec.utils import parse_dtype
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
-DEFAULT_DRAFT = None  # the shipped draft for the default target arrives with the distillation work
+DEFAULT_DRAFT = None  # "auto" once the shipped draft is in minispec/drafts/
+DRAFT_FOR_TARGET = {"smollm2-135m-instruct": "smollm2-135m-instruct-draft"}  # target alias -> shipped draft
 
 
 @dataclass(slots=True)
@@ -52,8 +53,10 @@ class LLM:
     adaptive_k: each request chooses its speculation length from its running acceptance and turns
     speculation off when it does not pay (spec_decode/adaptive.py).
 
-    draft: None (target only), "ngram" (prompt lookup with n-gram sizes ngram_n = (min_n, max_n)),
-    or a draft model spec (alias, HF directory, .gguf file, hub id) sharing the target's vocabulary.
+    draft: "auto" (default: the draft minispec ships for this target, minispec/drafts/, if any, else
+    none), None (target only), "ngram" (prompt lookup with n-gram sizes ngram_n = (min_n, max_n)), or a
+    draft model spec (alias, HF directory, .gguf file, hub id) sharing the target's vocabulary.
+    adaptive_k None (default): on with the "auto" draft, off (fixed k, as sweeps need) with a named one.
     """
 
     def __init__(
@@ -70,9 +73,13 @@ class LLM:
         device: str | None = None,
         shard_draft_logits: bool | None = None,
         ngram_n: tuple[int, int] = (1, 3),
-        adaptive_k: bool = False,
+        adaptive_k: bool | None = None,
         draft_dtype: str | torch.dtype | None = None,
     ):
+        if draft == "auto":
+            draft = DRAFT_FOR_TARGET.get(target.lower()) if isinstance(target, str) else None
+            adaptive_k = True if adaptive_k is None else adaptive_k
+        adaptive_k = bool(adaptive_k)
         if draft is not None and not 1 <= num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be in [1, 32], got {num_speculative_tokens}")
         if max_num_seqs < 1:

