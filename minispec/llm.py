@@ -21,7 +21,7 @@ from minispec.spec_decode.proposer import DraftModelProposer
 from minispec.utils import parse_dtype
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
-DEFAULT_DRAFT = None  # "auto" once the shipped draft is in minispec/drafts/
+DEFAULT_DRAFT = "auto"  # the draft shipped for the target (DRAFT_FOR_TARGET), else none
 DRAFT_FOR_TARGET = {"smollm2-135m-instruct": "smollm2-135m-instruct-draft"}  # target alias -> shipped draft
 
 

@@ -143,9 +143,10 @@ def test_config_precedence(tmp_path):
 def test_shipped_configs_parse(name):
     cfg = bench.load_config(os.path.join(ROOT, "configs", name))
     bench.check_config(cfg)
-    assert cfg.target == "smollm2-135m-instruct" and cfg.drafts == ["ngram"]
+    assert cfg.target == "smollm2-135m-instruct" and "ngram" in cfg.drafts
     if name == "bench-smollm2.toml":
         assert cfg.batch_sizes == [1, 4, 16] and cfg.temperatures == [0.0, 0.8]
+        assert cfg.drafts == ["smollm2-135m-instruct-draft", "ngram"] and cfg.adaptive
 
 
 def test_alpha_and_prediction():

@@ -324,30 +324,35 @@ def run_distill(cfg: DistillConfig, out_dir: str | Path, resume: bool = False, p
     return result
 
 
-RECIPE_WHY = """\
-Why the default recipe (target-initialised, n = 2 layers, frozen tied embedding, top-k distillation):
+WHY_FULL_WIDTH = """\
+Why this recipe (full width: the target's hidden size, embedding and first layers):
 
 - Same tokenizer and vocabulary by construction: the draft reuses the target's embedding matrix (and
   its tied LM head), so draft and target ids agree and minispec can verify the draft's tokens.
-- Hidden size equal to the target's is what lets the draft reuse that embedding and the target's own
-  layers. For SmolLM2-135M (30 layers) the draft runs 2 of 30 decoder layers: ~35 M multiply-adds per
-  token against the target's ~135 M (the shared 49 k-row LM head is most of the draft's), and 2 instead
-  of 30 layers of sequential kernels, which is what a small-batch decode step on a GPU pays for.
-- Starting from the target's first layers (not random ones) means the draft begins already reading
-  the embedding the way the target does: its residual stream is in the target's basis, so the target's
-  final norm and LM head are a sensible read-out from step 0 and training only has to teach 2 layers
-  to stand in for the other 28 on the target's own text. Measured for SmolLM2-135M on the same cached
-  data (held-out, teacher-forced): at step 0 the target-initialised draft has KL 15.6 to the teacher's
-  top-32 and agrees on 4.3% of greedy tokens, random layers KL 52.5 and 0.8%; after 100 / 200 / 300
-  steps agreement was 0.20 / 0.24 / 0.26 against 0.17 / 0.23 / 0.24 for random layers.
-  init = "random" in the config selects the fresh-layer alternative.
-- Freezing the 28 M-parameter embedding keeps the trainable set small (~7 M), skips the LM head's
-  weight gradient, and keeps the shared read-out the target's.
-- Training data are the target's own responses (on-policy: the draft only has to predict text the
-  target actually writes), and the teacher's top-k probabilities are cached once, so a training step
-  never runs the target (measured on the development machine: ~7x cheaper steps than running the
-  teacher online). Cross-entropy to the renormalised top-k is KL to the truncated teacher up to a
-  constant (the mass the top k carry on this data is reported below).
+- Starting from the target's first layers puts the draft's residual stream in the target's basis, so the
+  target's final norm and LM head are a sensible read-out from step 0. Measured for SmolLM2-135M
+  (held-out, teacher-forced): at step 0 KL 15.6 to the teacher's top-32 and 4.3% greedy agreement,
+  random layers KL 52.5 and 0.8%; after 300 steps 0.26 against 0.24 for random layers.
+- The cost: the full 49 k x 576 LM head alone is ~20% of a SmolLM2-135M token, and the checkpoint
+  (~140 MB in float32) is far above what ships in a repository. Narrow drafts (hidden_size) avoid both.
+"""
+
+WHY_NARROW = """\
+Why this recipe (narrow: hidden_size below the target's, tied embedding from the target's read-out):
+
+- Same tokenizer and vocabulary by construction; the LM head is where a small draft's bytes go
+  (49 k rows x hidden), so hidden sets both the file size and the draft's cost per token: at hidden 256
+  the head is 12.6 M of the draft's 14.9 M parameters, 29.9 MB in bfloat16, and a draft token costs
+  ~0.11 of a SmolLM2-135M token in minispec (float32, batch 1).
+- The tied embedding starts as the target's LM head projected on the top-d singular directions of the
+  target's final hidden states on the training text, and the final norm's scale matches those states:
+  the draft's logits start as a rank-d reading of the target's. On SmolLM2-135M a rank-256 projection of
+  the target's own hidden states keeps its greedy token 86% of the time (rank 128: 67%); a projection of
+  the embedding matrix's own top directions keeps only 11%.
+- Training data are the target's own greedy responses (what a greedy verifier accepts), to the
+  project's train prompts plus synthetic ones, scored once by the float32 teacher (top-k cached), so a
+  training step never runs the target. Cross-entropy to the renormalised top-k is KL to the truncated
+  teacher up to a constant.
 """
 
 
@@ -356,14 +361,20 @@ def render_readme(result: dict, out_dir: Path) -> str:
     cfg, final, phases, stats = result["config"], result["final"], result["phases"], result["data"]
     init = f"target layers {cfg['init_layers'] or list(range(cfg['num_layers']))}" if cfg["init"] == "target" \
         else "randomly initialised layers"
+    if cfg.get("hidden_size"):
+        shape = (f"A {cfg['num_layers']}-layer Llama-family draft with the target's tokenizer and vocabulary, hidden "
+                 f"size {cfg['hidden_size']}: a tied embedding initialised from the target's LM head projected on its "
+                 f"top-{cfg['hidden_size']} hidden directions (trained), {init}")
+    else:
+        shape = (f"A {cfg['num_layers']}-layer Llama-family draft with the target's tokenizer, vocabulary and hidden "
+                 f"size: the target's token embedding and tied LM head "
+                 f"({'frozen' if cfg['freeze_embeddings'] else 'trained'}), {init}, the target's final norm")
+    responses = "greedy responses" if cfg["gen_temperature"] == 0 else f"responses (T={cfg['gen_temperature']})"
     lines = [
         f"# Draft for {cfg['target']} (minispec.distill)",
         "",
-        f"A {cfg['num_layers']}-layer Llama-family draft with the target's tokenizer, vocabulary and hidden size: "
-        f"the target's token embedding and tied LM head ({'frozen' if cfg['freeze_embeddings'] else 'trained'}), "
-        f"{init}, the target's final norm; distilled on the target's own responses "
-        f"(T={cfg['gen_temperature']}, up to {cfg['max_tokens']} tokens) to its cached top-{cfg['top_k']} "
-        f"next-token probabilities.",
+        f"{shape}; distilled on the target's own {responses}, up to {cfg['max_tokens']} tokens, to its cached "
+        f"top-{cfg['top_k']} next-token probabilities.",
         "",
         "Load it:",
         "",
@@ -373,7 +384,7 @@ def render_readme(result: dict, out_dir: Path) -> str:
         "# or transformers: AutoModelForCausalLM.from_pretrained(dir) as assistant_model=",
         "```",
         "",
-        RECIPE_WHY,
+        WHY_NARROW if cfg.get("hidden_size") else WHY_FULL_WIDTH,
         "## Result",
         "",
         f"- steps: {final['step']} ({final['stopped_by']}), training time {final['train_s'] / 60:.1f} min",
