@@ -38,8 +38,8 @@ def generate_responses(cfg: DistillConfig, prompts: list[str], seeds: list[int],
     from minispec.llm import LLM
     from minispec.sampling_params import SamplingParams
 
-    llm = LLM(target=cfg.target, draft=None, max_num_seqs=cfg.gen_batch, max_model_len=cfg.max_seq_len, dtype=cfg.gen_dtype,
-              seed=cfg.seed, device=device)
+    llm = LLM(target=cfg.target, draft=None, max_num_seqs=cfg.gen_batch, max_model_len=cfg.max_seq_len,
+              dtype=cfg.gen_dtype, seed=cfg.seed, device=device)
     params = [SamplingParams(temperature=cfg.gen_temperature, max_tokens=cfg.max_tokens, seed=s) for s in seeds]
     outputs = llm.generate(prompts, params, use_chat_template=use_chat(cfg, llm.tokenizer), use_tqdm=True)
     return [(list(o.prompt_token_ids), list(o.token_ids)) for o in outputs]

@@ -1,13 +1,12 @@
 """The target as a transformers model, and the small draft built from it (same tokenizer, same vocabulary)."""
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
 
 import torch
 
-from minispec.models.loader import ModelLoadError, hf_source
+from minispec.models.loader import ModelLoadError, _quiet_progress_bars, hf_source
 
 from .config import DistillConfig
 
@@ -24,11 +23,7 @@ def load_hf_target(spec: str, dtype: torch.dtype = torch.float32):
     if not (Path(source).exists() or "/" in spec and not spec.startswith(("/", ".", "~"))):
         raise ModelLoadError(f"target not found: {spec} (an alias, HF directory, .gguf file or hub id)")
     try:
-        from minispec.models.loader import _quiet_progress_bars as quiet  # hides the GGUF dequantisation bar
-    except ImportError:
-        quiet = contextlib.nullcontext
-    try:
-        with quiet():
+        with _quiet_progress_bars():  # hides the GGUF dequantisation bar
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except Exception as e:
         raise ModelLoadError(f"could not load target {spec}: {str(e).strip().splitlines()[0]}") from None

@@ -13,7 +13,9 @@ where c is the draft's cost per drafted token relative to a target decode step (
 lookup) and v[k] the cost of a (k + 1)-token target forward relative to a 1-token one. Both depend
 on the batch size (a CPU or a big batch turns verification compute-bound), so a cost_model measured
 at each batch size (spec_decode/costs.MeasuredCosts, what LLM(adaptive_k=True) uses) replaces the
-fixed draft_cost / verify_costs: that is what keeps speculation from running slower than plain decoding. The
+fixed draft_cost / verify_costs. It times the forwards only, not the rest of a speculative step
+(proposer sampling, draft-logits writes, the rejection sampler), so where that overhead is large it
+can still keep a small k that does not pay. The
 policy picks the k in [0, k_max] with the most tokens per unit cost, E[tokens | k] / cost(k), and
 k = 0 (speculation off) unless some k beats plain decoding (1 token per unit) by the factor
 `margin`.
