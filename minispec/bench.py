@@ -555,8 +555,9 @@ def format_table(result: dict) -> str:
         "acceptance (MLE, n-gram misses count as rejections).",
         "pred = (1 - alpha^(k+1)) / (1 - alpha) / (k*c + verify); eff = speedup / pred (1.0: the engine loses nothing "
         "beyond the forwards).",
-        "adaptive-k: the same draft with AdaptiveK: each request's k in [0, k] from its running acceptance and the "
-        "draft / verify costs measured at the batch size (0 = speculation off where it does not pay).",
+        "adaptive-k: the same draft with AdaptiveK: one k in [0, k] per step from the requests' running acceptance, "
+        "the draft / verify costs measured at the batch size and the engine's own step overhead (0 = speculation "
+        "off where it does not pay).",
     ]
     return "\n".join(lines)
 

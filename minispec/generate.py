@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "lookup, or 'none' for target-only (default: the draft shipped for the target, if any)")
     p.add_argument("--ngram-min", type=int, default=1, help="smallest n-gram matched by --draft ngram")
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=None,
-                   help="per-request speculation length from running acceptance and measured costs; turns "
+                   help="speculation length per step from running acceptance and measured costs; turns "
                         "speculation off where it does not pay (default: on with the shipped draft, off with --draft)")
     p.add_argument("--ngram-max", type=int, default=3, help="largest n-gram matched by --draft ngram")
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")

@@ -175,7 +175,7 @@ def run_requests(llm: LLM, specs: list[dict], budget: int) -> tuple[dict, dict]:
     engine = llm.engine
     engine.scheduler.max_num_batched_tokens = budget
     k_of = {}
-    engine.k_policy = lambda r, batch_size: k_of.get(r.req_id, engine.k)
+    engine.k_policy = lambda reqs: [k_of.get(r.req_id, engine.k) for r in reqs]
     reqs, deltas = {}, {}
     pending = sorted(specs, key=lambda s: s["arrival"])
     step = 0

@@ -136,37 +136,88 @@ def _verify(req, drafted, accepted):
 def test_adaptive_tracks_each_request():
     pol = AdaptiveK(4, draft_cost=0.05, verify_costs=[1.0, 1.1, 1.2, 1.3, 1.4], decay=0.7, probe_every=3)
     good, bad = _fake_request("a"), _fake_request("b")
-    k_good, k_bad = pol(good), pol(bad)
+    k_good, k_bad = pol([good])[0], pol([bad])[0]
     assert k_good == k_bad > 0  # both start from the prior
     for _ in range(10):
         _verify(good, k_good, k_good)  # everything accepted
-        k_good = pol(good)
+        (k_good,) = pol([good])
         if k_bad:
             _verify(bad, k_bad, 0)  # nothing accepted
-        k_bad = pol(bad)
+        (k_bad,) = pol([bad])
     assert k_good == 4 and pol.alpha("a") > 0.9
     assert pol.alpha("b") < 0.2
-    # Switched off, the bad request probes with one draft every probe_every steps.
+    # Switched off, the policy probes with one draft every probe_every steps.
     ks = []
     for _ in range(6):
         if k_bad:
             _verify(bad, k_bad, 0)
-        k_bad = pol(bad)
+        (k_bad,) = pol([bad])
         ks.append(k_bad)
-    assert ks.count(1) == 2 and ks.count(0) == 4
+    assert ks.count(1) >= 1 and ks.count(0) >= 4
+    # Together they get one k: the good request's tokens pay for drafting for both.
+    both = pol([good, bad])
+    assert both[0] == both[1] > 0
+    assert pol.choose([pol.alpha("a"), pol.alpha("b")]) == both[0]
     # A truncated run counts one failure: 2 of 4 accepted -> 2 successes in 3 trials.
     fresh = AdaptiveK(4, decay=1.0, prior_weight=1e-9)
     r = _fake_request("c")
-    fresh(r)
+    fresh([r])
     _verify(r, 4, 2)
-    fresh(r)
+    fresh([r])
     assert fresh.alpha("c") == pytest.approx(2 / 3)
     # A new request reusing an id starts afresh.
     r2 = _fake_request("c")
-    fresh(r2)
-    assert fresh.alpha("c") == pytest.approx(fresh.prior_alpha)
-    assert pol.counts.sum() == 2 * 11 + 6
+    fresh([r2])
+    assert fresh.states["c"].req is r2 and fresh.alpha("c") == pytest.approx(fresh.prior()) == pytest.approx(2 / 3)
+    # Off, it probes with one draft after probe_every steps, then waits twice as long after each failed probe.
+    off = AdaptiveK(4, draft_cost=0.5, verify_costs=[1.0, 1.5, 2.0, 2.5, 3.0], probe_every=3, prior_alpha=0.0)
+    x, ks = _fake_request("x"), []
+    for _ in range(21):
+        (k,) = off([x])
+        ks.append(k)
+        if k:
+            _verify(x, k, 0)
+    assert [i for i, k in enumerate(ks) if k] == [2, 8, 20]
+    # A new request starts from the pooled acceptance of the requests seen so far.
+    assert off.prior() == pytest.approx(0.0) and off.alpha("new") == pytest.approx(0.0)
+    assert pol.prior() == pytest.approx(pol.pool[0] / pol.pool[1]) and 0.0 < pol.prior() < 1.0
+    # Asked for drafts but verified none (an n-gram miss): one failed run.
+    miss = AdaptiveK(4, decay=1.0, prior_weight=1e-9)
+    r3 = _fake_request("m")
+    assert miss([r3]) == [4]
+    miss([r3])
+    assert miss.alpha("m") == pytest.approx(0.0, abs=1e-6)
+    assert pol.counts.sum() == 2 * 11 + 6 + 2
     assert 0 < pol.mean_k() < 4
+
+
+def test_adaptive_batch_choice_and_measured_overhead():
+    """One k for the batch maximises summed expected tokens per step cost; the step overhead measured in
+    the engine's steps (speculative over plain) scales the cost of drafting and can turn it off."""
+    v = [1.0, 1.1, 1.2, 1.3, 1.4]
+    pol = AdaptiveK(4, draft_cost=0.1, verify_costs=v)
+    alphas = [0.9, 0.1, 0.1]
+    tokens = [sum(expected_tokens(a, k) for a in alphas) for k in range(5)]
+    rates = [tokens[0]] + [tokens[k] / (0.1 * k + v[k]) for k in range(1, 5)]
+    best = int(np.argmax(rates[1:])) + 1
+    assert pol.choose(alphas) == (best if rates[best] > rates[0] else 0) > 0
+    assert pol.overhead(3) == 1.0  # nothing measured yet
+    # Speculative steps spend 50% of their time outside the forwards, plain ones 10%.
+    for _ in range(20):
+        pol.observe_step(3, True, 1.5, 1.0)
+        pol.observe_step(3, False, 1.1, 1.0)
+    assert pol.overhead(3) == pytest.approx(1.5 / 1.1)
+    assert pol.overhead(4) == pytest.approx(1.5 / 1.1)  # same power-of-two bucket
+    assert pol.overhead(1) == 1.0  # another bucket: its own measurements
+    assert list(pol.costs(3)) == pytest.approx([1.0] + [(0.1 * k + v[k]) * 1.5 / 1.1 for k in range(1, 5)])
+    assert pol.choose([0.4, 0.4, 0.4]) == 0  # paid before, not with this overhead
+    assert AdaptiveK(4, draft_cost=0.1, verify_costs=v).choose([0.4, 0.4, 0.4]) > 0
+    # Only speculative steps measured: plain steps count as overhead-free (the cautious side).
+    spec_only = AdaptiveK(4)
+    spec_only.observe_step(2, True, 1.2, 1.0)
+    assert spec_only.overhead(2) == pytest.approx(1.2)
+    spec_only.observe_step(2, False, 2.0, 1.0)  # plain steps costlier than speculative ones: no discount
+    assert spec_only.overhead(2) == 1.0
 
 
 def test_adaptive_in_engine_is_lossless(target_dir, draft_dir):
@@ -202,7 +253,8 @@ def test_measured_costs_drive_adaptive_k(target_dir):
     assert set(costs.table) <= {1, 2, 4} and 4 in costs.table
     c, verify = costs.table[4]
     assert c > 0.5 and len(verify) == 4 and verify[0] == 1.0 and min(verify) >= 1.0
-    assert list(pol.costs) == pytest.approx([1.0] + [k * c + verify[k] for k in (1, 2, 3)])
+    assert pol.overhead(4) >= 1.0  # measured in the engine's own steps
+    assert list(pol.costs(4)) == pytest.approx([1.0] + [(k * c + verify[k]) * pol.overhead(4) for k in (1, 2, 3)])
     assert pol.counts[0] > pol.counts[1:].sum()  # off but for the probes
 
 

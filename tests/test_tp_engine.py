@@ -56,6 +56,15 @@ def test_tp_equals_tp1(model_dirs, tmp_path, nproc, mode):
     assert f"sharded, tp={nproc}): {rows} rows" in stdout
 
 
+def test_adaptive_k_under_tp2(model_dirs, tmp_path):
+    """Adaptive k under TP: costs and step timings come from rank 0, so every rank drafts the same k (a
+    disagreement would desynchronise the collectives), and greedy output stays target greedy."""
+    ref, _ = run(model_dirs, tmp_path, 1, "--draft", "none", name="adaptive_ref")
+    got, _ = run(model_dirs, tmp_path, 2, "--adaptive-k", name="adaptive")
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in ref]
+    assert sum(o["metrics"]["num_drafts"] for o in got) > 0  # it drafted (at least its probes)
+
+
 def test_skip_and_stale_under_tp3(model_dirs, tmp_path):
     # One decode (1 + k tokens) per step: requests take turns, each takes the row of the one skipped.
     ref, _ = run(model_dirs, tmp_path, 1, "--max-num-batched-tokens", "4", name="skip")

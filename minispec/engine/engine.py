@@ -46,7 +46,8 @@ class Engine:
                  eos_token_ids: set[int], vocab_size: int, k_policy=None):
         self.tp = get_tp_group()
         self.target = target
-        # Optional per-request speculation length: k_policy(req, batch_size) -> k in [0, proposer.k].
+        # Optional speculation length: k_policy(reqs) -> each request's k in [0, proposer.k]; a policy with an
+        # observe_step(batch_size, speculative, step_s, forward_s) method also gets every step's timing.
         self.k_policy = k_policy
         self.proposer = proposer
         self.config = config
@@ -119,14 +120,26 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        t0, forward_s0 = time.perf_counter(), self._forward_s()
         verified = [s for s in scheduled if s.verify]
+        speculative = any(s.req.num_drafts for s in verified)
         sampled = self._verify(scheduled, verified)  # tokens [num_verified, k + 1], counts, bad logits
         outputs = self._accept(verified, *sampled)
         if self.proposer is not None:
             to_draft = [s.req for s in verified if not s.req.finished]
             if to_draft:
-                self._draft(to_draft)
+                speculative |= self._draft(to_draft)
+        if hasattr(self.k_policy, "observe_step"):
+            times = [time.perf_counter() - t0, self._forward_s() - forward_s0]
+            if self.tp.world_size > 1:  # every rank must choose the same k: rank 0's timings
+                times = self.tp.broadcast(torch.tensor(times, dtype=torch.float64, device=self.device)).tolist()
+            self.k_policy.observe_step(len(verified), speculative, *times)
         return outputs
+
+    def _forward_s(self) -> float:
+        """Seconds the target and draft models have spent in forwards so far."""
+        draft = getattr(self.proposer, "runner", None)
+        return self.target.forward_s + (draft.forward_s if draft is not None else 0.0)
 
     def _verify(self, scheduled: list[ScheduledRequest], verified: list[ScheduledRequest]):
         """One target forward over every scheduled request's new tokens (+ drafts); sample the verified.
@@ -187,9 +200,10 @@ class Engine:
         draft_logits, stale = logits, None  # without a cache every row is a bonus row
         if self.draft_logits is not None:
             cache = self.draft_logits
-            rows = cache.rows_of(batch.expanded_idx_mapping.long())  # [num_logits]
-            steps = batch.expanded_local_pos.long().clamp(max=self.k - 1)
-            draft_logits = cache.values[rows.clamp(min=0), steps]  # [num_logits, V]
+            if sampled or self.config.record_beta:  # all-greedy verification compares tokens only
+                rows = cache.rows_of(batch.expanded_idx_mapping.long())  # [num_logits]
+                steps = batch.expanded_local_pos.long().clamp(max=self.k - 1)
+                draft_logits = cache.values[rows.clamp(min=0), steps]  # [num_logits, V]
             stale = cache.stale_drafts(batch)
             if stale is not None:
                 stale = stale & (draft_tokens_t >= 0)
@@ -292,16 +306,17 @@ class Engine:
                 return new, "length"
         return new, None
 
-    def _draft(self, reqs: list[Request]) -> None:
-        """Give out draft-logits rows by batch position, then draft each request's k tokens."""
-        ks = [self.k_policy(r, len(reqs)) if self.k_policy is not None else self.k for r in reqs]
+    def _draft(self, reqs: list[Request]) -> bool:
+        """Give out draft-logits rows by batch position, then draft each request's k tokens; whether any drafted."""
+        ks = list(self.k_policy(reqs)) if self.k_policy is not None else [self.k] * len(reqs)
         reqs = [r for r, k in zip(reqs, ks) if k > 0]
         ks = [k for k in ks if k > 0]
         if not reqs:
-            return
+            return False
         cache = self.draft_logits
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
         cache.assign(torch.from_numpy(slots).to(self.device), slots)
         drafts = self.proposer.propose(reqs, cache, max(ks))  # [num_reqs, max(ks)]
         for r, d, k in zip(reqs, drafts, ks):
             r.drafts = d[:k]
+        return True

@@ -1,6 +1,8 @@
 """Runs one model over a step's queries: builds the padded batch, the forward, and the logits rows."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -15,6 +17,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.max_len = max_len
+        self.forward_s = 0.0  # wall seconds spent in forward so far (the device synchronised at the end of each)
         self.kv = KVCache(
             model.num_layers, num_slots, max_len, model.num_kv_heads, model.head_dim, dtype=dtype, device=device
         )
@@ -35,6 +38,15 @@ class ModelRunner:
         forwards, so one long query does not pad every short one to its length.
         Returns: [sum(num_logits), vocab] float32 ([.., vocab shard] when gather is False).
         """
+        t0 = time.perf_counter()
+        out = self._forward_groups(slots, starts, queries, num_logits, gather)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        self.forward_s += time.perf_counter() - t0
+        return out
+
+    def _forward_groups(self, slots, starts, queries, num_logits, gather: bool) -> torch.Tensor:
+        """forward without the timing: one padded forward per group of similar query lengths."""
         groups = length_groups([len(q) for q in queries])
         if len(groups) <= 1:
             return self._forward(slots, starts, queries, num_logits, gather)

@@ -146,10 +146,15 @@ class _CountingPolicy:
         self.inner = inner
         self.counts = np.zeros(k_max + 1, dtype=np.int64)  # [k_max + 1]
 
-    def __call__(self, req, batch_size: int = 1) -> int:
-        k = self.inner(req, batch_size) if self.inner is not None else self.k_max
-        self.counts[k] += 1
-        return k
+    def __call__(self, reqs) -> list[int]:
+        ks = self.inner(reqs) if self.inner is not None else [self.k_max] * len(reqs)
+        for k in ks:
+            self.counts[k] += 1
+        return ks
+
+    def observe_step(self, *timing) -> None:
+        if hasattr(self.inner, "observe_step"):
+            self.inner.observe_step(*timing)
 
 
 def uses_chat_template(llm: LLM) -> bool:

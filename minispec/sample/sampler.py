@@ -10,9 +10,8 @@ NOISE_MAX = 1e30
 
 def _sanitize(logits: torch.Tensor) -> torch.Tensor:
     """float32 copy with NaN -> -inf and +inf -> the largest float32 (so softmax never sees inf - inf)."""
-    x = logits.float()
-    x = x.masked_fill(x.isnan(), float("-inf"))
-    return x.clamp(max=torch.finfo(torch.float32).max)
+    return torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max,
+                            neginf=float("-inf"))
 
 
 def warp_logits(

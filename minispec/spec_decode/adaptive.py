@@ -1,24 +1,30 @@
-"""Adaptive speculation length: each request picks its k from its own running acceptance.
+"""Adaptive speculation length: one k per step for the whole batch, from each request's running acceptance.
 
 The rule (AdaptiveK). Model drafts as accepted independently with a per-token rate alpha
-(Leviathan et al., 2023). A step with k drafts then emits on average
+(Leviathan et al., 2023). A request with k drafts then emits on average
 
     E[tokens | k] = (1 - alpha^(k + 1)) / (1 - alpha)        (k + 1 when alpha = 1)
 
-tokens and costs, in units of one plain target decode step,
+tokens per step. A step of batch size b with k drafts costs, in units of one plain decode step,
 
-    cost(k) = k * c + v[k]        (v[0] = 1: a plain decode)
+    cost_b(k) = (k * c + v[k]) * overhead        (cost_b(0) = 1)
 
 where c is the draft's cost per drafted token relative to a target decode step (~0 for n-gram
 lookup) and v[k] the cost of a (k + 1)-token target forward relative to a 1-token one. Both depend
 on the batch size (a CPU or a big batch turns verification compute-bound), so a cost_model measured
 at each batch size (spec_decode/costs.MeasuredCosts, what LLM(adaptive_k=True) uses) replaces the
-fixed draft_cost / verify_costs. It times the forwards only, not the rest of a speculative step
-(proposer sampling, draft-logits writes, the rejection sampler), so where that overhead is large it
-can still keep a small k that does not pay. The
-policy picks the k in [0, k_max] with the most tokens per unit cost, E[tokens | k] / cost(k), and
-k = 0 (speculation off) unless some k beats plain decoding (1 token per unit) by the factor
-`margin`.
+fixed draft_cost / verify_costs. Those time the forwards only; `overhead` is the rest of a
+speculative step (proposer sampling, draft-logits writes, the rejection sampler), measured in the
+engine's own steps: the ratio of step time to forward time in speculative steps over the same
+ratio in plain steps (1 until a plain step of that batch bucket was seen), fed by observe_step.
+
+The k is chosen for the whole batch: every request's verify forward is padded to the longest
+query and the draft forward runs for the batch's largest k, so the step costs cost_b(max k) whatever
+each request drafts. The policy picks the k in [1, k_max] with the most expected batch tokens per
+unit cost, sum_i E[tokens_i | k] / cost_b(k), and k = 0 (speculation off) unless that beats plain
+decoding (b tokens per unit) by the factor `margin`. While off, the batch drafts one token after
+`probe_every` steps so the acceptance estimates can recover; each probe that leaves it off doubles
+the wait (up to 8 * probe_every), so a workload where drafting never pays spends little on probes.
 
 alpha is estimated per request from its own verifications, forgetting old ones exponentially.
 A verification of n drafts that accepted a of them is a geometric run truncated at n: it saw
@@ -29,12 +35,15 @@ a successes and, when a < n, one failure. The estimate is the ratio of decayed c
     alpha      = successes / trials
 
 which is the maximum-likelihood alpha of the recent runs. A request starts from prior_weight
-pseudo-trials at rate prior_alpha (successes = prior_alpha * prior_weight, trials = prior_weight),
-forgotten like any observation. A request with speculation off makes no observations, so every
-`probe_every` steps off it drafts one token to let its estimate recover.
+pseudo-trials at the prior rate (successes = prior * prior_weight, trials = prior_weight), forgotten
+like any observation. The prior is the pooled rate of the policy's recent observations over all
+requests (pool_decay per observation), prior_alpha before it has seen one: a new request in a
+workload where drafts are rarely accepted does not start out speculating. A request that was asked for drafts and verified none (the
+proposer had nothing, as an n-gram lookup without a match) counts one failure.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,20 +66,25 @@ class _RequestState:
     seen_draft_tokens: int = 0  # the request's counters at the previous call
     seen_accepted: int = 0
     seen_drafts: int = 0
+    asked: int = 0  # the k this policy gave it last time
     successes: float = 0.0
     trials: float = 0.0
-    steps_off: int = 0
+
+
+def batch_bucket(batch_size: int) -> int:
+    """The power of two at or above batch_size: costs are measured and kept per bucket."""
+    return 1 << max(0, int(batch_size) - 1).bit_length()
 
 
 class AdaptiveK:
-    """Per-request k policy for Engine.k_policy: the k maximising expected tokens per unit cost.
+    """Engine.k_policy: one k per step for the batch, the one with the most expected tokens per unit cost.
 
     k_max: the engine's num_speculative_tokens. draft_cost: c, draft cost per drafted token over a
     target decode step. verify_costs: v[0..k_max] (v[0] = 1), or None for free verification
     (v[k] = 1). cost_model: batch_size -> (draft_cost, verify_costs), used instead of the fixed pair when
     given. draft_steps_fixed: charge k_max * c whenever k > 0 (for a proposer that always drafts
-    k_max tokens and truncates; the engine's proposers draft only the batch's largest chosen k).
-    See the module docstring.
+    k_max tokens and truncates; the engine's proposers draft only the chosen k). overhead_decay: how
+    fast the measured step overhead forgets old steps. See the module docstring.
     """
 
     def __init__(
@@ -85,30 +99,40 @@ class AdaptiveK:
         probe_every: int = 8,
         draft_steps_fixed: bool = False,
         cost_model=None,
+        overhead_decay: float = 0.9,
+        pool_decay: float = 0.95,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
-        if not 0.0 <= decay <= 1.0:
-            raise ValueError(f"decay must be in [0, 1], got {decay}")
-        if not 0.0 <= prior_alpha <= 1.0:
-            raise ValueError(f"prior_alpha must be in [0, 1], got {prior_alpha}")
+        for name, value in (("decay", decay), ("overhead_decay", overhead_decay), ("pool_decay", pool_decay),
+                            ("prior_alpha", prior_alpha)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
         if prior_weight <= 0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
         self.k_max = k_max
         self.draft_steps_fixed = draft_steps_fixed
         self.cost_model = cost_model
-        self.costs = self.step_costs(draft_cost, verify_costs)  # [k_max + 1] cost of a step with k drafts
+        self.fixed_costs = self.step_costs(draft_cost, verify_costs)  # [k_max + 1] forward cost of k drafts
         self._costs_by_batch: dict[int, np.ndarray] = {}
         self.decay = decay
         self.prior_alpha = prior_alpha
         self.prior_weight = prior_weight
         self.margin = margin
         self.probe_every = probe_every
+        self.probe_gap = probe_every  # steps off before the next probe (doubles after each probe that stays off)
+        self.pool_decay = pool_decay
+        self.pool = np.zeros(2)  # decayed (successes, trials) of every request's observations
+        self.overhead_decay = overhead_decay
+        # bucket -> [decayed step seconds, decayed forward seconds] of speculative (index 1) / plain (0) steps
+        self.step_times: dict[int, np.ndarray] = {}
+        self.steps_off = 0
+        self._cost_model_s = 0.0  # seconds spent measuring costs since the last observe_step (not step overhead)
         self.states: dict[str, _RequestState] = {}
-        self.counts = np.zeros(k_max + 1, dtype=np.int64)  # [k_max + 1] how often each k was chosen
+        self.counts = np.zeros(k_max + 1, dtype=np.int64)  # [k_max + 1] how often each k was chosen (per request)
 
     def step_costs(self, draft_cost: float, verify_costs: Sequence[float] | None) -> np.ndarray:
-        """[k_max + 1] cost of a step with k drafts, in plain decode steps (entry 0 is 1)."""
+        """[k_max + 1] forward cost of a step with k drafts, in plain decode steps (entry 0 is 1)."""
         v = np.ones(self.k_max + 1) if verify_costs is None else np.asarray(verify_costs, dtype=np.float64)
         if v.shape != (self.k_max + 1,):
             raise ValueError(f"verify_costs needs k_max + 1 = {self.k_max + 1} entries (v[0] = 1), got {v.shape[0]}")
@@ -118,63 +142,110 @@ class AdaptiveK:
         costs[0] = 1.0
         return costs
 
-    def use_batch_size(self, batch_size: int) -> None:
-        """Switch self.costs to the cost model's at batch_size (no-op without a cost model)."""
-        if self.cost_model is None:
-            return
-        if batch_size not in self._costs_by_batch:
-            self._costs_by_batch[batch_size] = self.step_costs(*self.cost_model(batch_size))
-        self.costs = self._costs_by_batch[batch_size]
+    def overhead(self, batch_size: int) -> float:
+        """Measured (step / forward time) of speculative steps over that of plain steps at this batch bucket;
+        1 before a speculative step was seen, and plain steps count as overhead-free until one is seen."""
+        t = self.step_times.get(batch_bucket(batch_size))
+        if t is None or t[1, 1] <= 0:
+            return 1.0
+        spec = t[1, 0] / t[1, 1]
+        plain = t[0, 0] / t[0, 1] if t[0, 1] > 0 else 1.0
+        return max(1.0, spec / plain)
 
-    def choose(self, alpha: float) -> int:
-        """The k in [0, k_max] with the most expected tokens per unit cost at acceptance alpha."""
+    def costs(self, batch_size: int) -> np.ndarray:
+        """[k_max + 1] cost of a step with k drafts at this batch size, in plain decode steps."""
+        forward = self.fixed_costs
+        if self.cost_model is not None:
+            if batch_size not in self._costs_by_batch:
+                t0 = time.perf_counter()
+                self._costs_by_batch[batch_size] = self.step_costs(*self.cost_model(batch_size))
+                self._cost_model_s += time.perf_counter() - t0
+            forward = self._costs_by_batch[batch_size]
+        costs = forward * self.overhead(batch_size)
+        costs[0] = 1.0
+        return costs
+
+    def observe_step(self, batch_size: int, speculative: bool, step_s: float, forward_s: float) -> None:
+        """Engine hook, once per step: its wall time and the part of it spent in model forwards."""
+        step_s -= self._cost_model_s  # a first-use cost measurement is not a cost of speculating
+        self._cost_model_s = 0.0
+        if batch_size <= 0 or forward_s <= 0:
+            return
+        t = self.step_times.setdefault(batch_bucket(batch_size), np.zeros((2, 2)))
+        row = t[int(bool(speculative))]
+        row *= self.overhead_decay
+        row += (step_s, forward_s)
+
+    def choose(self, alphas: float | Sequence[float], batch_size: int | None = None) -> int:
+        """The k in [0, k_max] with the most expected tokens per unit cost for a batch at these acceptances."""
+        alphas = np.atleast_1d(np.asarray(alphas, dtype=np.float64))  # [num_reqs]
+        batch_size = len(alphas) if batch_size is None else batch_size
         ks = np.arange(self.k_max + 1)
-        rate = expected_tokens(alpha, ks) / self.costs  # [k_max + 1]; rate[0] = 1
+        tokens = expected_tokens(alphas[:, None], ks[None, :]).sum(axis=0)  # [k_max + 1]; tokens[0] = num_reqs
+        rate = tokens / self.costs(batch_size)
         k = int(np.argmax(rate[1:])) + 1
-        return k if rate[k] > self.margin else 0
+        return k if rate[k] > self.margin * rate[0] else 0
+
+    def prior(self) -> float:
+        """A new request's starting acceptance: the pooled rate of recent observations (prior_alpha before any)."""
+        return self.pool[0] / self.pool[1] if self.pool[1] >= 1.0 else self.prior_alpha
 
     def alpha(self, req_id: str) -> float:
-        """The current acceptance estimate of a request (prior_alpha for one never seen)."""
+        """The current acceptance estimate of a request (the prior for one never seen)."""
         s = self.states.get(req_id)
         if s is None or s.trials <= 0:
-            return self.prior_alpha
+            return self.prior()
         return s.successes / s.trials
 
     def observe(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
         """Fold one verification (num_drafted drafts, num_accepted of them accepted) into the estimate."""
         s = self.states[req_id]
+        trials = num_accepted + (1 if num_accepted < num_drafted else 0)
         s.successes = self.decay * s.successes + num_accepted
-        s.trials = self.decay * s.trials + num_accepted + (1 if num_accepted < num_drafted else 0)
+        s.trials = self.decay * s.trials + trials
+        self.pool = self.pool_decay * self.pool + (num_accepted, trials)
 
-    def __call__(self, req, batch_size: int = 1) -> int:
-        """Engine hook: called once per verified request per step (batch_size of them), after its counters
-        were updated."""
-        self.use_batch_size(batch_size)
+    def _update(self, req) -> None:
+        """Fold the request's latest verification (read off its counters) into its estimate."""
         m = req.metrics
         s = self.states.get(req.req_id)
         if s is None or s.req is not req:
-            s = self.states[req.req_id] = _RequestState(req, successes=self.prior_alpha * self.prior_weight,
+            s = self.states[req.req_id] = _RequestState(req, successes=self.prior() * self.prior_weight,
                                                          trials=self.prior_weight)
         if m.num_drafts > s.seen_drafts:  # the last step verified drafts of ours: one observation
             self.observe(req.req_id, m.num_draft_tokens - s.seen_draft_tokens, m.num_accepted_tokens - s.seen_accepted)
+        elif s.asked:  # asked for drafts, got none (an n-gram miss): nothing to accept, a failed run
+            self.observe(req.req_id, s.asked, 0)
         s.seen_drafts, s.seen_draft_tokens, s.seen_accepted = m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens
-        k = self.choose(self.alpha(req.req_id))
+
+    def __call__(self, reqs: Sequence) -> list[int]:
+        """Engine hook: the k of each request about to draft (one k for all), after their counters were updated."""
+        for r in reqs:
+            self._update(r)
+        k = self.choose([self.alpha(r.req_id) for r in reqs])
         if k == 0:
-            s.steps_off += 1
-            if self.probe_every > 0 and s.steps_off >= self.probe_every:
-                s.steps_off = 0
+            self.steps_off += 1
+            if self.probe_every > 0 and self.steps_off >= self.probe_gap:
+                self.steps_off = 0
+                self.probe_gap = min(2 * self.probe_gap, 8 * self.probe_every)
                 k = 1
         else:
-            s.steps_off = 0
-        self.counts[k] += 1
-        return k
+            self.steps_off = 0
+            self.probe_gap = self.probe_every
+        for r in reqs:
+            self.states[r.req_id].asked = k
+        self.counts[k] += len(reqs)
+        return [k] * len(reqs)
 
     def mean_k(self) -> float:
-        """Mean chosen k over every call so far (nan before the first)."""
+        """Mean chosen k over every request drafted so far (nan before the first)."""
         n = self.counts.sum()
         return float((self.counts * np.arange(self.k_max + 1)).sum() / n) if n else float("nan")
 
     def reset(self) -> None:
-        """Forget every request and the k counts."""
+        """Forget every request, the pooled prior, the k counts and the probe counter (not the step overhead)."""
         self.states.clear()
         self.counts[:] = 0
+        self.steps_off = 0
+        self.probe_gap = self.probe_every
+        self.pool[:] = 0

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from minispec.engine.model_runner import ModelRunner
+from minispec.spec_decode.adaptive import batch_bucket
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 from minispec.spec_decode.ngram import ngram_drafts, write_one_hot_logits
 
@@ -146,7 +147,7 @@ class MeasuredCosts:
 
     def bucket(self, batch_size: int) -> int:
         """The power of two at or above batch_size, capped at max_batch_size."""
-        return min(self.max_batch_size, 1 << max(0, int(batch_size) - 1).bit_length())
+        return min(self.max_batch_size, batch_bucket(batch_size))
 
     def __call__(self, batch_size: int) -> tuple[float, list[float]]:
         b = self.bucket(batch_size)
