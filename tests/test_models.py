@@ -101,6 +101,26 @@ def test_runner_splits_a_long_query_out_of_short_ones(tiny):
     torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=0)
 
 
+def test_runner_reads_consecutive_slots_in_place_in_any_request_order(tiny):
+    """Requests on slots 2, 0, 1 run as one forward in slot order (a consecutive range: the KV cache is read
+    as a view); requests on slots 3, 0 take the copying path. Logits come back in request order either way."""
+    from minispec.engine.model_runner import ModelRunner
+    from minispec.layers.attention import ForwardBatch
+
+    assert ForwardBatch.build([1, 2, 3], [0] * 3, [[1]] * 3, 9, "cpu").first_slot == 1
+    assert ForwardBatch.build([2, 0, 1], [0] * 3, [[1]] * 3, 9, "cpu").first_slot == -1
+    assert ForwardBatch.build([3, 0], [0] * 2, [[1]] * 2, 9, "cpu").first_slot == -1
+    _, model = tiny
+    queries = [prompt(9, 11), prompt(7, 12), prompt(8, 13)]
+    want = [run(model, new_kv(model, max_len=32), [0], [0], [q])[0] for q in queries]
+    for slots in ([2, 0, 1], [3, 0, 1]):
+        runner = ModelRunner(model, 4, 32, dtype=torch.float32, device="cpu")
+        got = runner.forward(slots, [0] * 3, [q[:-1] for q in queries], [2, 1, 3])
+        torch.testing.assert_close(got, torch.cat([want[0][-3:-1], want[1][-2:-1], want[2][-4:-1]]), atol=1e-5, rtol=0)
+        got = runner.forward(slots, [len(q) - 1 for q in queries], [q[-1:] for q in queries], [1, 1, 1])  # decode
+        torch.testing.assert_close(got, torch.stack([w[-1] for w in want]), atol=1e-5, rtol=0)
+
+
 def test_decode_and_chunks_match_full_forward(tiny):
     """Prefill, token-by-token decode of two requests at different positions, then a 3-token chunk."""
     _, model = tiny

@@ -35,7 +35,8 @@ class ModelRunner:
         slots[i]; return the logits of each request's last num_logits[i] tokens, concatenated.
 
         Requests whose query lengths differ a lot (a prefill among decodes) run as separate padded
-        forwards, so one long query does not pad every short one to its length.
+        forwards, so one long query does not pad every short one to its length. Each forward takes its
+        requests in slot order, so requests on consecutive slots read their KV cache in place.
         Returns: [sum(num_logits), vocab] float32 ([.., vocab shard] when gather is False).
         """
         t0 = time.perf_counter()
@@ -47,9 +48,9 @@ class ModelRunner:
 
     def _forward_groups(self, slots, starts, queries, num_logits, gather: bool) -> torch.Tensor:
         """forward without the timing: one padded forward per group of similar query lengths."""
-        groups = length_groups([len(q) for q in queries])
+        groups = [sorted(g, key=slots.__getitem__) for g in length_groups([len(q) for q in queries])]
         if len(groups) <= 1:
-            return self._forward(slots, starts, queries, num_logits, gather)
+            return self._forward(slots, starts, queries, num_logits, gather, groups[0] if groups else None)
         parts, rows = [], []
         offsets = np.cumsum([0] + list(num_logits))
         for g in groups:
@@ -60,15 +61,21 @@ class ModelRunner:
         out[torch.from_numpy(np.concatenate(rows)).to(out.device)] = torch.cat(parts)
         return out
 
-    def _forward(self, slots, starts, queries, num_logits, gather: bool) -> torch.Tensor:
-        """One padded forward over all the given requests (see forward)."""
-        batch = ForwardBatch.build(slots, starts, queries, self.kv.scratch_slot, self.device)
+    def _forward(self, slots, starts, queries, num_logits, gather: bool, order: list[int] | None = None) -> torch.Tensor:
+        """One padded forward over all the given requests (see forward); batch row j holds request order[j]
+        (default: request j), the logits come out in request order."""
+        n = len(queries)
+        order = list(range(n)) if order is None else order
+        batch = ForwardBatch.build([slots[i] for i in order], [starts[i] for i in order], [queries[i] for i in order],
+                                   self.kv.scratch_slot, self.device)
         if batch.max_ctx > self.max_len:
             raise ValueError(f"context of {batch.max_ctx} tokens exceeds the KV cache's {self.max_len}")
         lens = [len(q) for q in queries]
         hidden = self.model(batch, self.kv)  # [B, L, hidden]
         # Rows of each request's last num_logits tokens, in request order.
-        b_idx = np.repeat(np.arange(len(queries)), num_logits)
+        batch_row = np.empty(n, dtype=np.int64)  # [n] batch row of each request
+        batch_row[order] = np.arange(n)
+        b_idx = np.repeat(batch_row, num_logits)
         t_idx = np.concatenate([np.arange(n - k, n) for n, k in zip(lens, num_logits)]) if b_idx.size else b_idx
         rows = hidden[torch.from_numpy(b_idx).to(self.device), torch.from_numpy(t_idx).to(self.device)]
         return self.model.compute_logits(rows, gather=gather)

@@ -20,6 +20,7 @@ class ForwardBatch:
     write_slots: torch.Tensor  # [B, L] int64, slot each token's K/V is written to (scratch slot for padding)
     read_slots: torch.Tensor  # [B] int64, slot each request attends over
     max_ctx: int  # keys read per request: max(positions) + 1 over real tokens
+    first_slot: int = -1  # read_slots[0] when the requests hold consecutive slots in order (then read as a view), else -1
 
     @staticmethod
     def build(slots: list[int], starts: list[int], queries: list[list[int]], scratch_slot: int, device) -> "ForwardBatch":
@@ -41,6 +42,7 @@ class ForwardBatch:
             write_slots=torch.from_numpy(write).to(device),
             read_slots=torch.tensor(slots, dtype=torch.int64, device=device),
             max_ctx=int((np.asarray(starts, dtype=np.int64) + lens).max()),
+            first_slot=slots[0] if list(slots) == list(range(slots[0], slots[0] + num_reqs)) else -1,
         )
 
 
@@ -71,13 +73,21 @@ def attend(
     [num_slots + 1, max_len, n_kv_heads, head_dim], mask from ``causal_mask``.
     Returns [B, L, n_heads * head_dim].
     """
-    B, L, _, _ = q.shape
+    B, L, n_heads, head_dim = q.shape
+    n_kv = k.shape[2]
+    g = n_heads // n_kv  # query heads per KV head
     k_cache[batch.write_slots, batch.positions] = k
     v_cache[batch.write_slots, batch.positions] = v
-    # index_select copies only the max_ctx rows of each slot (2-3x faster than advanced indexing on CPU).
-    keys = k_cache[:, : batch.max_ctx].index_select(0, batch.read_slots)  # [B, max_ctx, n_kv_heads, head_dim]
-    values = v_cache[:, : batch.max_ctx].index_select(0, batch.read_slots)  # [B, max_ctx, n_kv_heads, head_dim]
+    keys, values = k_cache[:, : batch.max_ctx], v_cache[:, : batch.max_ctx]
+    if batch.first_slot >= 0:  # consecutive slots in order: read them in place
+        keys = keys[batch.first_slot : batch.first_slot + B]  # [B, max_ctx, n_kv_heads, head_dim]
+        values = values[batch.first_slot : batch.first_slot + B]
+    else:  # index_select copies only the max_ctx rows of each slot (2-3x faster than advanced indexing on CPU)
+        keys = keys.index_select(0, batch.read_slots)  # [B, max_ctx, n_kv_heads, head_dim]
+        values = values.index_select(0, batch.read_slots)
+    # Grouped-query attention without repeating K/V: the g query heads of a KV head become g * L queries.
+    qg = q.view(B, L, n_kv, g, head_dim).permute(0, 2, 3, 1, 4).reshape(B, n_kv, g * L, head_dim)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True
-    )  # [B, n_heads, L, head_dim]
-    return out.transpose(1, 2).reshape(B, L, -1)
+        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask.repeat(1, 1, g, 1) if g > 1 else mask
+    )  # [B, n_kv_heads, g * L, head_dim]
+    return out.view(B, n_kv, g, L, head_dim).permute(0, 3, 1, 2, 4).reshape(B, L, n_heads * head_dim)
