@@ -61,7 +61,8 @@ class ModelRunner:
         out[torch.from_numpy(np.concatenate(rows)).to(out.device)] = torch.cat(parts)
         return out
 
-    def _forward(self, slots, starts, queries, num_logits, gather: bool, order: list[int] | None = None) -> torch.Tensor:
+    def _forward(self, slots, starts, queries, num_logits, gather: bool, order: list[int] | None = None
+                 ) -> torch.Tensor:
         """One padded forward over all the given requests (see forward); batch row j holds request order[j]
         (default: request j), the logits come out in request order."""
         n = len(queries)

@@ -20,7 +20,7 @@ class ForwardBatch:
     write_slots: torch.Tensor  # [B, L] int64, slot each token's K/V is written to (scratch slot for padding)
     read_slots: torch.Tensor  # [B] int64, slot each request attends over
     max_ctx: int  # keys read per request: max(positions) + 1 over real tokens
-    first_slot: int = -1  # read_slots[0] when the requests hold consecutive slots in order (then read as a view), else -1
+    first_slot: int = -1  # read_slots[0] if the requests hold consecutive slots in order (read in place), else -1
 
     @staticmethod
     def build(slots: list[int], starts: list[int], queries: list[list[int]], scratch_slot: int, device) -> "ForwardBatch":
@@ -46,8 +46,9 @@ class ForwardBatch:
         )
 
 
-def causal_mask(positions: torch.Tensor, max_ctx: int) -> torch.Tensor:
-    """[B, 1, L, max_ctx] bool: query at position p may see key j iff j <= p.
+def causal_mask(positions: torch.Tensor, max_ctx: int, groups: int = 1) -> torch.Tensor:
+    """[B, 1, groups * L, max_ctx] bool: query at position p may see key j iff j <= p; the L rows
+    repeated for each of the `groups` query heads that share a KV head (see ``attend``).
 
     Keys past a request's length are stale (earlier drafts, other requests' longer contexts) and
     the rule hides them. Key 0 is always visible so padded rows never softmax over nothing.
@@ -55,7 +56,7 @@ def causal_mask(positions: torch.Tensor, max_ctx: int) -> torch.Tensor:
     keys = torch.arange(max_ctx, device=positions.device)  # [max_ctx]
     mask = keys <= positions.unsqueeze(-1)  # [B, L, max_ctx]
     mask[..., 0] = True
-    return mask.unsqueeze(1)
+    return mask.unsqueeze(1).repeat(1, 1, groups, 1)
 
 
 def attend(
@@ -70,7 +71,7 @@ def attend(
     """Write this step's K/V into the cache, then attend over each request's cached keys.
 
     q [B, L, n_heads, head_dim], k / v [B, L, n_kv_heads, head_dim], caches
-    [num_slots + 1, max_len, n_kv_heads, head_dim], mask from ``causal_mask``.
+    [num_slots + 1, max_len, n_kv_heads, head_dim], mask from ``causal_mask`` with groups = n_heads / n_kv_heads.
     Returns [B, L, n_heads * head_dim].
     """
     B, L, n_heads, head_dim = q.shape
@@ -88,6 +89,6 @@ def attend(
     # Grouped-query attention without repeating K/V: the g query heads of a KV head become g * L queries.
     qg = q.view(B, L, n_kv, g, head_dim).permute(0, 2, 3, 1, 4).reshape(B, n_kv, g * L, head_dim)
     out = F.scaled_dot_product_attention(
-        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask.repeat(1, 1, g, 1) if g > 1 else mask
+        qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
     )  # [B, n_kv_heads, g * L, head_dim]
     return out.view(B, n_kv, g, L, head_dim).permute(0, 3, 1, 2, 4).reshape(B, L, n_heads * head_dim)

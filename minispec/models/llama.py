@@ -144,7 +144,8 @@ class LlamaForCausalLM(nn.Module):
         """Run every token of the batch, writing its K/V at (write_slots, positions); -> [B, L, hidden]."""
         h = self.embed_tokens(batch.input_ids)  # [B, L, hidden]
         freqs_cis = self.rotary(batch.positions)  # [B, L, 1, head_dim / 2]
-        mask = causal_mask(batch.positions, batch.max_ctx)  # [B, 1, L, max_ctx]
+        groups = self.num_heads // self.num_kv_heads  # query heads per KV head
+        mask = causal_mask(batch.positions, batch.max_ctx, groups)  # [B, 1, groups * L, max_ctx]
         for i, layer in enumerate(self.layers):
             h = layer(h, freqs_cis, mask, batch, kv.k[i], kv.v[i])
         return self.norm(h)

@@ -38,8 +38,9 @@ which is the maximum-likelihood alpha of the recent runs. A request starts from 
 pseudo-trials at the prior rate (successes = prior * prior_weight, trials = prior_weight), forgotten
 like any observation. The prior is the pooled rate of the policy's recent observations over all
 requests (pool_decay per observation), prior_alpha before it has seen one: a new request in a
-workload where drafts are rarely accepted does not start out speculating. A request that was asked for drafts and verified none (the
-proposer had nothing, as an n-gram lookup without a match) counts one failure.
+workload where drafts are rarely accepted does not start out speculating. A request that was asked
+for drafts and verified none (the proposer had nothing, as an n-gram lookup without a match) counts
+one failure.
 """
 from __future__ import annotations
 
