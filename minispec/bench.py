@@ -105,18 +105,11 @@ def check_config(cfg: BenchConfig) -> None:
 
 
 def load_hf(spec: str, dtype: torch.dtype, device: torch.device):
-    """transformers' own model (and tokenizer) for a spec, in eval mode on device."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """transformers' own model (and tokenizer, None if it has none) for a spec, in eval mode on device."""
+    from minispec.models.loader import load_hf_model
 
-    from minispec.models.loader import hf_source
-
-    path, kw = hf_source(spec)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-    except Exception:  # a checkpoint without a tokenizer
-        tokenizer = None
-    return model, tokenizer
+    model, tokenizer = load_hf_model(spec, dtype)
+    return model.to(device), tokenizer
 
 
 def load_prompt_texts(num_prompts: int) -> tuple[list[str], str]:

@@ -6,32 +6,16 @@ from pathlib import Path
 
 import torch
 
-from minispec.models.loader import ModelLoadError, _quiet_progress_bars, hf_source
+from minispec.models.loader import load_hf_model
 
 from .config import DistillConfig
 
 
 def load_hf_target(spec: str, dtype: torch.dtype = torch.float32):
-    """(transformers model, tokenizer) of a target given as alias, HF directory, .gguf file or hub id.
-
-    A GGUF is dequantised by transformers, exactly as minispec's loader does, so the teacher here and
-    the target minispec verifies with have the same weights.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source, kwargs = hf_source(spec)
-    if not (Path(source).exists() or "/" in spec and not spec.startswith(("/", ".", "~"))):
-        raise ModelLoadError(f"target not found: {spec} (an alias, HF directory, .gguf file or hub id)")
-    try:
-        with _quiet_progress_bars():  # hides the GGUF dequantisation bar
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
-    except Exception as e:
-        raise ModelLoadError(f"could not load target {spec}: {str(e).strip().splitlines()[0]}") from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    except Exception as e:
-        raise ModelLoadError(f"could not load the tokenizer of {spec} (distillation needs one): {e}") from None
-    return model.eval(), tokenizer
+    """(transformers model, tokenizer) of a target given as alias, HF directory, .gguf file or hub id:
+    the teacher has the same (dequantised) weights as the target minispec verifies with, and distillation
+    needs its tokenizer."""
+    return load_hf_model(spec, dtype, require_tokenizer=True)
 
 
 def draft_config(target_config, cfg: DistillConfig):

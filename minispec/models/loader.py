@@ -80,6 +80,30 @@ def hf_source(spec: str) -> tuple[str, dict]:
     return str(path) if path.exists() else spec, {}
 
 
+def load_hf_model(spec: str, dtype: torch.dtype = torch.float32, require_tokenizer: bool = False):
+    """(transformers model in eval mode, tokenizer or None) for a spec: alias, HF directory, .gguf file or hub id.
+
+    A GGUF is dequantised by transformers, exactly as load_model does, so both hold the same weights.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, kwargs = hf_source(spec)
+    if not (Path(source).exists() or "/" in spec and not spec.startswith(("/", ".", "~"))):
+        raise ModelLoadError(f"model not found: {spec} (an alias, HF directory, .gguf file or hub id)")
+    try:
+        with _quiet_progress_bars():  # hides the GGUF dequantisation bar
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except Exception as e:
+        raise ModelLoadError(f"could not load {spec}: {_one_line(e)}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    except Exception as e:
+        if require_tokenizer:
+            raise ModelLoadError(f"could not load the tokenizer of {spec}: {_one_line(e)}") from None
+        tokenizer = None  # a checkpoint without a tokenizer
+    return model.eval(), tokenizer
+
+
 def load_model(spec: str, *, dtype: torch.dtype, device, tp_group: TPGroup | None = None) -> LoadedModel:
     """Load ``spec`` (alias, local directory, .gguf file or hub id) as the native model on ``device``."""
     tp_group = tp_group if tp_group is not None else get_tp_group()
