@@ -139,6 +139,32 @@ def test_resume_continues_from_checkpoint(first_run, tiny_target, tmp_path):
         run_distill(load_config(TINY_CONFIG, target=tiny_target), tmp_path / "empty", resume=True, progress=False)
 
 
+def test_growing_the_prompt_set_generates_only_the_new_responses(first_run, tiny_target, tmp_path):
+    """data.pt caches responses per prompt: more synthetic prompts reuse the first run's responses (same
+    records, same order), the new ones are generated once, and changed generation settings refuse it."""
+    from minispec.distill import build_data
+
+    shutil.copy(first_run / "data.pt", tmp_path / "data.pt")
+    before, _, _ = build_data(load_config(TINY_CONFIG, target=tiny_target), tmp_path / "data.pt", "cpu",
+                              log=lambda *_: None)
+    logs = []
+    cfg = load_config(TINY_CONFIG, target=tiny_target, synth_prompts=3)
+    grown, target, _ = build_data(cfg, tmp_path / "data.pt", "cpu", log=logs.append)
+    assert target is not None and any("generating 3 responses" in m for m in logs)
+    assert len(grown["train"]) == 6 + 3 and len(grown["eval"]) == 3
+    for old, new in zip(before["train"] + before["eval"], grown["train"][:6] + grown["eval"]):
+        assert torch.equal(old["ids"], new["ids"]) and torch.equal(old["topk_logp"], new["topk_logp"])
+    assert grown["stats"]["train_tokens"] == sum(len(r["topk_ids"]) for r in grown["train"])
+    assert grown["stats"]["cache_generate_s"] > before["stats"]["cache_generate_s"]
+
+    logs.clear()
+    again, target, _ = build_data(cfg, tmp_path / "data.pt", "cpu", log=logs.append)  # nothing left to make
+    assert target is None and any("reusing" in m for m in logs)
+    assert [r["ids"].tolist() for r in again["train"]] == [r["ids"].tolist() for r in grown["train"]]
+    with pytest.raises(ValueError, match="other settings"):
+        build_data(load_config(TINY_CONFIG, target=tiny_target, max_tokens=5), tmp_path / "data.pt", "cpu")
+
+
 def test_draft_equal_to_target_agrees_everywhere(first_run, tiny_target, tmp_path):
     """A 'draft' that is the whole target (both layers copied, 0 steps): alpha 1 on the cached data and in
     minispec's engine, which pins the alignment of cached top-k rows to token positions."""
@@ -248,7 +274,7 @@ def test_narrow_bf16_draft_end_to_end(tiny_target, tmp_path):
                       freeze_embeddings=False, save_dtype="bfloat16", gen_temperature=0.0, gen_dtype="bfloat16",
                       synth_prompts=4, steps=2, engine_every=0)
     result = run_distill(cfg, tmp_path, progress=False, log=lambda *_: None)
-    assert len(torch.load(tmp_path / "data.pt", weights_only=False)["train"]) == 6 + 4
+    assert len(torch.load(tmp_path / "data.pt", weights_only=False)["records"]) == 6 + 4 + 3
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     draft = AutoModelForCausalLM.from_pretrained(str(tmp_path))

@@ -100,9 +100,8 @@ class DistillConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
     def data_key(self) -> dict:
-        """The fields that decide the cached data (data.pt is reused only when these match)."""
-        keys = ("target", "seed", "train_prompts", "synth_prompts", "eval_prompts", "samples_per_prompt",
-                "max_tokens", "gen_temperature", "gen_dtype", "teacher_dtype", "chat", "top_k")
+        """The fields that decide each cached response (data.pt is reused only when these match)."""
+        keys = ("target", "seed", "max_tokens", "gen_temperature", "gen_dtype", "teacher_dtype", "chat", "top_k")
         return {k: getattr(self, k) for k in keys}
 
     def as_dict(self) -> dict:

@@ -1,8 +1,9 @@
 """Distillation data: the target's own responses to the train prompts, then its top-k next-token
-log-probabilities at every response position, cached once in DIR/data.pt."""
+log-probabilities at every response position, cached per prompt in DIR/data.pt."""
 from __future__ import annotations
 
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from minispec.utils import parse_dtype
 
 from .config import DistillConfig
 
-DATA_VERSION = 2
+DATA_VERSION = 3
 
 
 def use_chat(cfg: DistillConfig, tokenizer) -> bool:
@@ -80,47 +81,72 @@ def teacher_topk(target, seqs: list[tuple[list[int], list[int]]], k: int, batch_
     return [r for r in records if r is not None]
 
 
+def record_key(prompt: str, sample: int) -> str:
+    """The cache key of one response: the prompt text and its sample index."""
+    return f"{sample}\t{prompt}"
+
+
+def response_seed(cfg: DistillConfig, key: str) -> int:
+    """A sampling seed per response that depends on its prompt, not on its place in the prompt list."""
+    return (cfg.seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63)
+
+
 def build_data(cfg: DistillConfig, path: Path, device,
                log=lambda *a: print(*a, flush=True)) -> tuple[dict, object, object]:
-    """Load DIR/data.pt when it matches cfg, else generate and cache it.
+    """The train / eval records for cfg, generating only the responses DIR/data.pt does not hold yet.
 
-    Returns (data, target or None, tokenizer or None); the target is returned when it was loaded
-    here, so the caller can initialise the draft without loading it again.
+    data.pt caches records by prompt (and sample index) under the settings that decide them
+    (cfg.data_key()), so asking for more prompts reuses every response already made. Returns
+    ({"train", "eval", "stats"}, target or None, tokenizer or None); the target is returned when it
+    was loaded here, so the caller can initialise the draft without loading it again.
     """
     from .draft import load_hf_target
 
+    cache = {"version": DATA_VERSION, "key": cfg.data_key(), "records": {}, "stats": {}}
     if path.is_file():
-        data = torch.load(path, weights_only=False)
-        if data.get("version") != DATA_VERSION or data.get("key") != cfg.data_key():
-            raise ValueError(f"{path} was built with other settings ({data.get('key')}); "
+        cache = torch.load(path, weights_only=False)
+        if cache.get("version") != DATA_VERSION or cache.get("key") != cfg.data_key():
+            raise ValueError(f"{path} was built with other settings ({cache.get('key')}); "
                              f"delete it or use another --out to rebuild")
-        log(f"data: reusing {path} ({len(data['train'])} train / {len(data['eval'])} eval sequences)")
-        return data, None, None
+    records: dict = cache["records"]  # key -> record, None for an empty response
     train_prompts, eval_prompts = split_prompts(cfg)
-    prompts = [p for p in train_prompts for _ in range(cfg.samples_per_prompt)] + eval_prompts
-    seeds = [cfg.seed * 1_000_003 + i for i in range(len(prompts))]
-    t0 = time.perf_counter()
-    log(f"data: generating {len(prompts)} responses (max {cfg.max_tokens} tokens, T={cfg.gen_temperature}) "
-        f"with minispec's engine")
-    seqs = generate_responses(cfg, prompts, seeds, device)
-    gen_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    target, tokenizer = load_hf_target(cfg.target, dtype=parse_dtype(cfg.teacher_dtype))
-    target.to(device)
-    records = teacher_topk(target, seqs, cfg.top_k, cfg.teacher_batch, device)
-    n_train = len(train_prompts) * cfg.samples_per_prompt
-    teacher_s = time.perf_counter() - t0
-    keep = [i for i, s in enumerate(seqs) if s[1]]  # teacher_topk drops empty responses
-    train = [rec for i, rec in zip(keep, records) if i < n_train]
-    evl = [rec for i, rec in zip(keep, records) if i >= n_train]
+    train_keys = [record_key(p, s) for p in train_prompts for s in range(cfg.samples_per_prompt)]
+    eval_keys = [record_key(p, 0) for p in eval_prompts]
+    prompt_of = dict(zip(train_keys, (p for p in train_prompts for _ in range(cfg.samples_per_prompt))))
+    prompt_of.update(zip(eval_keys, eval_prompts))
+    missing = [k for k in prompt_of if k not in records]
+    target = tokenizer = None
+    gen_s = teacher_s = 0.0
+    if missing:
+        log(f"data: generating {len(missing)} responses (max {cfg.max_tokens} tokens, T={cfg.gen_temperature}) "
+            f"with minispec's engine; {len(records)} cached in {path if path.is_file() else 'no file yet'}")
+        t0 = time.perf_counter()
+        seqs = generate_responses(cfg, [prompt_of[k] for k in missing], [response_seed(cfg, k) for k in missing],
+                                  device)
+        gen_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        target, tokenizer = load_hf_target(cfg.target, dtype=parse_dtype(cfg.teacher_dtype))
+        target.to(device)
+        made = teacher_topk(target, seqs, cfg.top_k, cfg.teacher_batch, device)
+        teacher_s = time.perf_counter() - t0
+        made_iter = iter(made)  # teacher_topk drops empty responses
+        for k, s in zip(missing, seqs):
+            records[k] = next(made_iter) if s[1] else None
+        for name, secs in (("generate_s", gen_s), ("teacher_s", teacher_s)):
+            cache["stats"][name] = cache["stats"].get(name, 0.0) + secs
+        tmp = path.with_suffix(".tmp")
+        torch.save(cache, tmp)
+        tmp.replace(path)
+    else:
+        log(f"data: reusing {path} ({len(records)} cached responses)")
+    train = [records[k] for k in train_keys if records[k] is not None]
+    evl = [records[k] for k in eval_keys if records[k] is not None]
     n_tokens = sum(len(r["topk_ids"]) for r in train)
-    data = {"version": DATA_VERSION, "key": cfg.data_key(), "train": train, "eval": evl,
-            "stats": {"generate_s": gen_s, "teacher_s": teacher_s, "train_tokens": n_tokens,
-                      "eval_tokens": sum(len(r["topk_ids"]) for r in evl),
-                      "topk_mass": float(torch.cat([r["topk_logp"] for r in records]).exp().sum(-1).mean())}}
-    tmp = path.with_suffix(".tmp")
-    torch.save(data, tmp)
-    tmp.replace(path)
-    log(f"data: {len(train)} train ({n_tokens} response tokens) / {len(evl)} eval sequences; "
-        f"generate {gen_s:.0f} s, teacher {teacher_s:.0f} s -> {path}")
-    return data, target, tokenizer
+    mass = torch.cat([r["topk_logp"] for r in train + evl]).exp().sum(-1).mean() if train + evl else torch.nan
+    stats = {"generate_s": gen_s, "teacher_s": teacher_s, "train_tokens": n_tokens,
+             "eval_tokens": sum(len(r["topk_ids"]) for r in evl), "topk_mass": float(mass),
+             "cache_generate_s": cache["stats"].get("generate_s", 0.0),
+             "cache_teacher_s": cache["stats"].get("teacher_s", 0.0)}
+    log(f"data: {len(train)} train ({n_tokens} response tokens) / {len(evl)} eval sequences"
+        + (f"; generate {gen_s:.0f} s, teacher {teacher_s:.0f} s -> {path}" if missing else ""))
+    return {"train": train, "eval": evl, "stats": stats}, target, tokenizer

@@ -213,9 +213,8 @@ def run_distill(cfg: DistillConfig, out_dir: str | Path, resume: bool = False, p
 
     t0 = time.perf_counter()
     data, target, tokenizer = build_data(cfg, out_dir / "data.pt", device, log)
-    built = target is not None
-    if built:  # else the data came from an earlier run's cache: its times are in metrics under "data"
-        phases.update({k: v for k, v in data["stats"].items() if k.endswith("_s")})
+    if target is not None:  # responses were made in this run; all of data.pt's times are in metrics["data"]
+        phases.update({k: data["stats"][k] for k in ("generate_s", "teacher_s")})
     train = [r for r in data["train"] if num_scored(r, cfg.max_seq_len) > 0]
     held_out = [r for r in data["eval"] if num_scored(r, cfg.max_seq_len) > 0]
     if not train:
@@ -402,8 +401,8 @@ def render_readme(result: dict, out_dir: Path) -> str:
     mass = stats.get("topk_mass", float("nan"))
     lines.append(f"- data: {stats.get('train_tokens', '?')} train / {stats.get('eval_tokens', '?')} held-out "
                  f"response tokens; mean teacher probability mass in the top {cfg['top_k']}: {mass:.3f}")
-    lines.append("- data phases when data.pt was built (s): generate {:.0f}, teacher {:.0f}".format(
-        stats.get("generate_s", float("nan")), stats.get("teacher_s", float("nan"))))
+    lines.append("- data phases, all responses in data.pt (s): generate {:.0f}, teacher {:.0f}".format(
+        stats.get("cache_generate_s", float("nan")), stats.get("cache_teacher_s", float("nan"))))
     lines.append("- wall time per phase (s): " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in phases.items()))
     lines += ["", "## History", "", "| step | train min | train KL | held-out KL | alpha_tf | mean acc. len (tf) |",
               "|---|---|---|---|---|---|"]
