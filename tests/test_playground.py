@@ -74,9 +74,14 @@ def test_sweep_numbers_are_consistent(sweep):
         assert r["tau"] == pytest.approx(1 + sum(rates), abs=1e-9)
         assert all(a >= b for a, b in zip(rates, rates[1:]))  # accepting j + 1 means accepting j
         assert 0 <= r["num_accepted_tokens"] <= r["num_draft_tokens"] <= r["num_drafts"] * r["k"]
-        assert r["alpha"] == pytest.approx(r["num_accepted_tokens"] / r["num_draft_tokens"])
-        assert r["beta_count"] == sum(r["beta_hist"]) > 0
-        assert 0.0 <= r["beta_min"] <= r["beta_mean"] <= r["beta_max"] <= 1.0 + 1e-6
+        drafted = r["num_draft_tokens"]
+        assert r["alpha"] == pytest.approx(r["num_accepted_tokens"] / drafted if drafted else 0.0)
+        assert r["beta_count"] == sum(r["beta_hist"])
+        if drafted == 0:  # adaptive k found drafting not worth it on this machine, or n-gram lookup never matched
+            assert r["policy"] == "adaptive" or r["draft_label"] == "ngram"
+        else:
+            assert r["beta_count"] > 0
+            assert 0.0 <= r["beta_min"] <= r["beta_mean"] <= r["beta_max"] <= 1.0 + 1e-6
         assert sum(r["k_counts"]) + 3 == r["num_verifications"]
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / baselines[(r["temperature"], r["top_p"])]["tokens_per_s"])
         if r["policy"] == "fixed":
