@@ -110,10 +110,10 @@ def build_data(cfg: DistillConfig, path: Path, device,
                              f"delete it or use another --out to rebuild")
     records: dict = cache["records"]  # key -> record, None for an empty response
     train_prompts, eval_prompts = split_prompts(cfg)
-    train_keys = [record_key(p, s) for p in train_prompts for s in range(cfg.samples_per_prompt)]
-    eval_keys = [record_key(p, 0) for p in eval_prompts]
-    prompt_of = dict(zip(train_keys, (p for p in train_prompts for _ in range(cfg.samples_per_prompt))))
-    prompt_of.update(zip(eval_keys, eval_prompts))
+    train_of = {record_key(p, s): p for p in train_prompts for s in range(cfg.samples_per_prompt)}
+    eval_of = {record_key(p, 0): p for p in eval_prompts}
+    train_keys, eval_keys = list(train_of), list(eval_of)
+    prompt_of = train_of | eval_of  # key -> prompt text
     missing = [k for k in prompt_of if k not in records]
     target = tokenizer = None
     gen_s = teacher_s = 0.0
