@@ -139,6 +139,22 @@ def test_resume_continues_from_checkpoint(first_run, tiny_target, tmp_path):
         run_distill(load_config(TINY_CONFIG, target=tiny_target), tmp_path / "empty", resume=True, progress=False)
 
 
+def test_resume_with_more_synthetic_prompts(first_run, tiny_target, tmp_path, capsys):
+    """--resume --synth-prompts N: the checkpoint goes on training, on the old responses plus the new ones."""
+    out = tmp_path / "grown"
+    shutil.copytree(first_run, out)
+    before = json.loads((out / "metrics.json").read_text())
+    assert before["config"]["synth_prompts"] == 0
+    assert main(["--config", TINY_CONFIG, "--target", tiny_target, "--out", str(out), "--steps", "6",
+                 "--synth-prompts", "3", "--resume", "--no-progress"]) == 0
+    assert "generating 3 responses" in capsys.readouterr().out
+    after = json.loads((out / "metrics.json").read_text())
+    assert after["step"] == 6 and after["config"]["synth_prompts"] == 3
+    assert after["data"]["train_tokens"] > before["data"]["train_tokens"]
+    assert [h["step"] for h in after["history"]] == [2, 4, 6]
+    assert main(["--config", TINY_CONFIG, "--out", str(out), "--synth-prompts", "-1"]) == 2
+
+
 def test_growing_the_prompt_set_generates_only_the_new_responses(first_run, tiny_target, tmp_path):
     """data.pt caches responses per prompt: more synthetic prompts reuse the first run's responses (same
     records, same order), the new ones are generated once, and changed generation settings refuse it."""

@@ -1,4 +1,5 @@
-"""CLI: python -m minispec.distill --target T --out DIR [--config TOML] [--steps N] [--time-budget MIN] [--resume]"""
+"""CLI: python -m minispec.distill --target T --out DIR [--config TOML] [--steps N] [--time-budget MIN]
+[--synth-prompts N] [--resume]"""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="total training steps (counting resumed ones)")
     p.add_argument("--time-budget", type=float, default=None, metavar="MIN",
                    help="minutes of training in this invocation (0 = no limit)")
+    p.add_argument("--synth-prompts", type=int, default=None, metavar="N",
+                   help="synthetic train prompts (the config's synth_prompts); with --resume, a larger N "
+                   "generates the new responses and trains on all of them")
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt/state.pt")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: the config's, auto)")
     p.add_argument("--seed", type=int, default=None)
@@ -34,7 +38,7 @@ def main(argv=None) -> int:
 
     try:
         cfg = load_config(args.config, target=args.target, steps=args.steps, time_budget_min=args.time_budget,
-                          device=args.device, seed=args.seed)
+                          synth_prompts=args.synth_prompts, device=args.device, seed=args.seed)
     except (OSError, ValueError, TypeError, tomllib.TOMLDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
