@@ -20,43 +20,25 @@ import platform
 import sys
 import time
 import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
+from minispec.data import load_prompts
 from minispec.llm import DEFAULT_TARGET, param_bytes
 from minispec.spec_decode.costs import measure_costs
-from minispec.utils import read_toml
+from minispec.tools.config import load_settings
+from minispec.tools.metrics import aggregate, predicted_speedup
+from minispec.tools.prompts import encode_prompts
 
 NGRAM = "ngram"
 NGRAM_N = (1, 3)  # minispec's n-gram sizes; transformers prompt lookup matches up to the same max
 HF_BATCH1_NOTE = "transformers assisted generation / prompt lookup run at batch size 1 only"
 
-# Used when minispec.data.load_prompts is not available.
-BUILTIN_PROMPTS = [
-    "Explain how a refrigerator keeps food cold.",
-    "Write a short poem about the sea at night.",
-    "List five tips for learning a new language.",
-    "What is the difference between a list and a tuple in Python?",
-    "Summarise the water cycle in three sentences.",
-    "Write a Python function that returns the n-th Fibonacci number, then explain it line by line.",
-    "Describe the rules of chess for a complete beginner.",
-    "Give me a recipe for a simple tomato pasta sauce.",
-    "Why is the sky blue? Answer for a ten-year-old.",
-    "Rewrite this sentence in a formal tone: hey, the meeting got moved to friday, ok?",
-    "What are the main causes of inflation?",
-    "Write a haiku about autumn leaves.",
-    "Explain what a hash table is and when to use one.",
-    "Plan a three-day trip to Rome with a daily schedule.",
-    "Compare cats and dogs as pets in a short table.",
-    "How do vaccines train the immune system?",
-]
-
-
 @dataclass
 class BenchConfig:
-    """What to run. Defaults match configs/bench-smollm2.toml."""
+    """What to run: a small run by default (configs/bench-smollm2.toml is the full one)."""
 
     target: str = DEFAULT_TARGET
     drafts: list[str] = field(default_factory=lambda: [NGRAM])  # model specs and/or "ngram"
@@ -79,14 +61,9 @@ class BenchConfig:
 QUICK = dict(max_tokens=8, num_prompts=2, batch_sizes=[1], rounds=1, cost_reps=3, bandwidth_mib=256)
 
 
-def load_config(path: str | None) -> BenchConfig:
-    """BenchConfig from a TOML file (unknown keys are an error), or the defaults."""
-    cfg = BenchConfig()
-    if path is None:
-        return cfg
-    for key, value in read_toml(path, {f.name for f in fields(BenchConfig)}).items():
-        setattr(cfg, key, value)
-    return cfg
+def load_config(path: str | None, overrides: dict | None = None) -> BenchConfig:
+    """Defaults < a TOML file (unknown keys are an error) < overrides."""
+    return load_settings(BenchConfig, path, overrides)
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -113,37 +90,9 @@ def load_hf(spec: str, dtype: torch.dtype, device: torch.device):
 
 
 def load_prompt_texts(num_prompts: int) -> tuple[list[str], str]:
-    """num_prompts prompt strings (cycled if the set is smaller) and where they came from."""
-    texts, source = BUILTIN_PROMPTS, "built-in"
-    try:
-        from minispec.data import load_prompts
-
-        loaded = load_prompts(split="eval")
-        loaded = [p if isinstance(p, str) else p.get("prompt") or p.get("text") for p in loaded]
-        loaded = [p for p in loaded if isinstance(p, str) and p.strip()]
-        if loaded:
-            texts, source = loaded, "minispec.data (eval)"
-    except Exception:  # not written yet, or no data file: the built-in list
-        pass
-    return [texts[i % len(texts)] for i in range(num_prompts)], source
-
-
-def encode_prompts(tokenizer, texts: list[str], chat: bool, max_prompt_len: int) -> list[list[int]]:
-    """Token ids of every prompt (chat template when asked and available), keeping the last max_prompt_len."""
-    if tokenizer is None:
-        raise ValueError("the target has no tokenizer; the benchmark needs string prompts")
-    use_chat = chat and bool(getattr(tokenizer, "chat_template", None))
-    out = []
-    for text in texts:
-        if use_chat:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
-            if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-                ids = ids["input_ids"]
-        else:
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        out.append([int(t) for t in ids][-max_prompt_len:])
-    return out
+    """num_prompts eval prompts of prompts.json in file order (cycled if the set is smaller), and their source."""
+    texts = load_prompts(split="eval")
+    return [texts[i % len(texts)] for i in range(num_prompts)], "minispec.data (eval)"
 
 
 def batches_of(prompts: list[list[int]], batch_size: int) -> list[list[tuple[int, list[int]]]]:
@@ -279,26 +228,6 @@ def build_rows(cfg: BenchConfig, hf_target, hf_drafts: dict, llms: dict, pad_id:
     return rows
 
 
-def per_token_acceptance(m: dict, num_tokens: int, num_requests: int, k: int) -> float:
-    """alpha: maximum-likelihood i.i.d. per-draft acceptance from the accept counts.
-
-    Each decode verification is a run of Bernoulli trials that stops at the first rejection or after
-    k acceptances; a verification without any draft (an n-gram miss) counts as a rejection at draft 1.
-    Decode verifications = generated tokens - one per request (the prefill) - accepted drafts.
-    """
-    accepted = m["num_accepted_tokens"]
-    all_k = m["accepted_per_position"][k - 1] if len(m["accepted_per_position"]) >= k else 0
-    steps = max(m["num_drafts"], num_tokens - num_requests - accepted)
-    trials = accepted + steps - all_k
-    return accepted / trials if trials > 0 else 0.0
-
-
-def predicted_speedup(alpha: float, k: int, c: float, verify_ratio: float) -> float:
-    """Expected tokens per verification / cost of one draft-and-verify step in target forwards."""
-    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c + verify_ratio)
-
-
 # ---- the run --------------------------------------------------------------------------------
 
 
@@ -307,7 +236,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     import transformers
     from tqdm import tqdm
 
-    from minispec.llm import LLM, aggregate_metrics
+    from minispec.llm import LLM
     from minispec.utils import parse_dtype
 
     check_config(cfg)
@@ -324,7 +253,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     hf_target, tokenizer = load_hf(cfg.target, dtype, device or torch.device("cpu"))
     max_pos = getattr(hf_target.config, "max_position_embeddings", None) or 2048
     texts, prompt_source = load_prompt_texts(cfg.num_prompts)
-    prompts = encode_prompts(tokenizer, texts, cfg.chat, min(max_pos, 2048) - cfg.max_tokens - cfg.k - 2)
+    prompts, _ = encode_prompts(tokenizer, texts, cfg.chat, min(max_pos, 2048) - cfg.max_tokens - cfg.k - 2)
     max_len = max(len(p) for p in prompts) + cfg.max_tokens + 1
     common = dict(num_speculative_tokens=cfg.k, max_num_seqs=max_b, dtype=cfg.dtype, max_model_len=max_len,
                   seed=cfg.seed, device=cfg.device, max_num_batched_tokens=max(2048, max_b * max_len))
@@ -416,8 +345,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                  verify_ratio=None, measured_speedup=None, predicted_speedup=None, engine_efficiency=None,
                  note=r.note)
         if r.system == "minispec" and r.method == "speculative" and r.outputs:
-            m = aggregate_metrics(r.outputs)
-            alpha = per_token_acceptance(m, r.tokens, len(r.outputs), cfg.k)
+            m = aggregate(r.outputs)
+            alpha = m["alpha"]
             c = 0.0 if r.draft == NGRAM else draft_c[r.draft][r.batch_size]
             v = verify_ratio[r.batch_size]
             pred = predicted_speedup(alpha, cfg.k, c, v)
@@ -428,7 +357,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                      num_draft_tokens=m["num_draft_tokens"], num_accepted_tokens=m["num_accepted_tokens"],
                      accepted_per_position=m["accepted_per_position"])
         elif r.system == "minispec" and r.method == "adaptive-k" and r.outputs:
-            m = aggregate_metrics(r.outputs)
+            m = aggregate(r.outputs)
             d.update(acceptance_rate=m["acceptance_rate"], mean_accepted_length=m["mean_accepted_length"],
                      measured_speedup=ts / ms_base[key] if ts and ms_base.get(key) else None,
                      num_drafts=m["num_drafts"], num_draft_tokens=m["num_draft_tokens"],
@@ -602,18 +531,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args) -> BenchConfig:
     """Defaults < --config file < --quick < explicit flags."""
-    cfg = load_config(args.config)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(cfg, key, value)
+    overrides = dict(QUICK) if args.quick else {}
     if args.draft is not None:
-        cfg.drafts = [d for d in args.draft if d.lower() != "none"]
+        overrides["drafts"] = [d for d in args.draft if d.lower() != "none"]
     for name in ("target", "k", "batch_sizes", "temperatures", "max_tokens", "num_prompts", "rounds", "seed",
                  "dtype", "device", "threads", "chat", "cost_reps", "bandwidth_mib", "adaptive"):
-        value = getattr(args, name)
-        if value is not None:
-            setattr(cfg, name, value)
-    return cfg
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    return load_config(args.config, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,13 +93,6 @@ class TPGroup:
                 raise _collective_failed("broadcast", e) from e
         return x
 
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            try:
-                dist.barrier()
-            except RuntimeError as e:
-                raise _collective_failed("barrier", e) from e
-
 
 _TP_GROUP = TPGroup()
 _TIMEOUT_S = DEFAULT_TIMEOUT_S

@@ -116,7 +116,8 @@ def run(args, parser, prompts: list[str]) -> int:
     except ValueError as e:
         parser.error(str(e))
 
-    from minispec.llm import DEFAULT_DRAFT, DEFAULT_TARGET, LLM, aggregate_metrics
+    from minispec.llm import DEFAULT_DRAFT, DEFAULT_TARGET, LLM
+    from minispec.tools.metrics import aggregate
 
     try:
         llm = LLM(target=args.target or DEFAULT_TARGET,
@@ -166,7 +167,7 @@ def run(args, parser, prompts: list[str]) -> int:
         if not args.stream:
             for i, o in enumerate(outputs):
                 print(f"=== [{i}] {prompts[i]}\n{o.text}\n")
-        agg = aggregate_metrics(outputs)
+        agg = aggregate(outputs)
         ntok = sum(len(o.token_ids) for o in outputs)
         spec = (f"; acceptance {agg['acceptance_rate']:.3f}, mean accepted length "
                 f"{agg['mean_accepted_length']:.2f}, stale drafts {agg['num_stale_drafts']}"

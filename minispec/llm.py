@@ -12,7 +12,7 @@ from minispec.distributed import init_distributed
 from minispec.engine.engine import Engine, EngineConfig
 from minispec.engine.model_runner import ModelRunner
 from minispec.engine.request import Request
-from minispec.models.loader import load_model
+from minispec.models.loader import LoadedModel, load_model
 from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.adaptive import AdaptiveK
 from minispec.spec_decode.costs import MeasuredCosts
@@ -46,23 +46,50 @@ class RequestOutput:
         return d
 
 
+def _loaded(model: str | LoadedModel, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """A model spec loaded onto device, or an already-loaded model as given."""
+    return model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether a tokenizer (None: a model without one) has a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_text(tokenizer, text: str, use_chat_template: bool, name: str) -> list[int]:
+    """Token ids of a string prompt, as the user's turn of a chat when use_chat_template; name: the model's."""
+    if tokenizer is None:
+        raise ValueError(f"{name} has no tokenizer: give prompts as lists of token ids")
+    if not use_chat_template:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    if not has_chat_template(tokenizer):
+        raise ValueError(f"{name} has no chat template; use use_chat_template=False")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 class LLM:
     """A target model, an optional proposer, and the engine that runs them.
 
-    draft_dtype: the draft model's dtype (default: dtype); e.g. "bfloat16" for a float32 target.
-    adaptive_k: each request chooses its speculation length from its running acceptance and turns
-    speculation off when it does not pay (spec_decode/adaptive.py).
-
+    target: a model spec (alias, HF directory, .gguf file, hub id) or an already-loaded model
+    (models.loader.load_model's LoadedModel, on this LLM's device and in its dtype: tools that build many
+    engines over the same weights load them once).
     draft: "auto" (default: the draft minispec ships for this target, minispec/drafts/, if any, else
     none), None (target only), "ngram" (prompt lookup with n-gram sizes ngram_n = (min_n, max_n)), or a
-    draft model spec (alias, HF directory, .gguf file, hub id) sharing the target's vocabulary.
-    adaptive_k None (default): on with the "auto" draft, off (fixed k, as sweeps need) with a named one.
+    draft model (spec or LoadedModel, in draft_dtype) sharing the target's vocabulary.
+    draft_dtype: the draft model's dtype (default: dtype); e.g. "bfloat16" for a float32 target.
+    adaptive_k: each step chooses one speculation length for the whole batch from the requests' running
+    acceptance and turns speculation off when it does not pay (spec_decode/adaptive.py). None (default):
+    on with the "auto" draft, off (fixed k, as sweeps need) with a named one.
     """
 
     def __init__(
         self,
-        target: str = DEFAULT_TARGET,
-        draft: str | None = DEFAULT_DRAFT,
+        target: str | LoadedModel = DEFAULT_TARGET,
+        draft: str | LoadedModel | None = DEFAULT_DRAFT,
         num_speculative_tokens: int = 4,
         tensor_parallel_size: int = 1,
         max_num_seqs: int = 16,
@@ -93,13 +120,13 @@ class LLM:
         torch_dtype = parse_dtype(dtype)
         draft_torch_dtype = torch_dtype if draft_dtype is None else parse_dtype(draft_dtype)
         self.device = torch.device(device) if device else tp.device
-        self.target = load_model(target, dtype=torch_dtype, device=self.device)
+        self.target = _loaded(target, torch_dtype, self.device)
         self.tokenizer = self.target.tokenizer
         self.draft = None
         k = num_speculative_tokens if draft is not None else 0
         max_len = min(max_model_len or 2048, self.target.max_model_len)
         if draft is not None and draft != "ngram":
-            self.draft = load_model(draft, dtype=draft_torch_dtype, device=self.device)
+            self.draft = _loaded(draft, draft_torch_dtype, self.device)
             if self.draft.vocab_size != self.target.vocab_size:
                 raise ValueError(
                     f"draft vocabulary ({self.draft.vocab_size} tokens, {self.draft.name}) differs from the "
@@ -140,18 +167,7 @@ class LLM:
     def encode(self, prompt: str | Sequence[int], use_chat_template: bool) -> list[int]:
         """Token ids of a prompt: a string (chat-templated on request) or ids as given."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.target.name} has no tokenizer: give prompts as lists of token ids")
-            if use_chat_template:
-                if not getattr(self.tokenizer, "chat_template", None):
-                    raise ValueError(f"{self.target.name} has no chat template; use use_chat_template=False")
-                ids = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-                )
-                if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-                    ids = ids["input_ids"]
-                return list(ids)
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or []
+            return encode_text(self.tokenizer, prompt, use_chat_template, self.target.name)
         ids = list(prompt)
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
             raise ValueError("a prompt must be a string or a list of integer token ids")
@@ -247,13 +263,3 @@ def param_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters (what one decode step streams at batch 1)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
-
-def aggregate_metrics(outputs: list[RequestOutput]) -> dict:
-    """Batch totals of the per-request speculation counters."""
-    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_stale_drafts")
-    tot = {k: sum(o.metrics[k] for o in outputs) for k in keys}
-    k = max((len(o.metrics["accepted_per_position"]) for o in outputs), default=0)
-    tot["accepted_per_position"] = [sum(o.metrics["accepted_per_position"][j] for o in outputs) for j in range(k)]
-    tot["mean_accepted_length"] = 1 + tot["num_accepted_tokens"] / tot["num_drafts"] if tot["num_drafts"] else 1.0
-    tot["acceptance_rate"] = tot["num_accepted_tokens"] / tot["num_draft_tokens"] if tot["num_draft_tokens"] else 0.0
-    return tot

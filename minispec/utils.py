@@ -1,6 +1,8 @@
 """Small helpers shared across minispec."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 
@@ -12,6 +14,21 @@ def cdiv(a: int, b: int) -> int:
 def use_triton(t: torch.Tensor) -> bool:
     """Run the Triton kernel (CUDA tensors) or its torch reference (CPU tensors)."""
     return t.is_cuda
+
+
+def load_triton():
+    """(triton, triton.language) for the modules that define kernels.
+
+    Triton ships for Linux only (pyproject): without it this returns a stand-in whose jit leaves each
+    kernel a plain, never-launched function, and None for triton.language (kernel bodies and their
+    string annotations are read only when a CUDA tensor launches them).
+    """
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return SimpleNamespace(jit=lambda fn: fn), None
+    return triton, tl
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -27,14 +44,3 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}") from None
 
-
-def read_toml(path: str, known: set[str]) -> dict:
-    """A TOML settings file as a dict; ValueError naming any key outside `known`."""
-    import tomllib
-
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    return raw

@@ -12,14 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from minispec import LLM, SamplingParams
+from minispec.data import load_prompts
 from minispec.models.loader import ALIASES, resolve_alias
 
-PROMPTS = [
-    "Explain how a refrigerator keeps food cold.",
-    "Write a short poem about the sea at night.",
-    "List five tips for learning a new language.",
-    "What is the difference between a list and a tuple in Python?",
-]
+PROMPTS = load_prompts("eval", limit=4)
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ if [ "$N" = 3 ]; then
   PROMPTS=(--prompt "Name three rivers in Europe." --prompt "Write a haiku about tea." --prompt "What is 12 * 7?" --prompt "Give one tip for sleeping well.")
 else
   MODEL=$(mktemp -d)/tiny6
-  "$PY" -c "import sys; sys.path.insert(0, '.'); from tests.utils import make_tiny_model_dir as m; m('$MODEL', with_tokenizer=True, hidden_size=96, num_attention_heads=6, num_key_value_heads=6, intermediate_size=192)"
+  "$PY" -c "from minispec.tools.tiny import make_tiny_model_dir as m; m('$MODEL', with_tokenizer=True, hidden_size=96, num_attention_heads=6, num_key_value_heads=6, intermediate_size=192)"
   PROMPTS=(--no-chat --prompt "The quick brown fox" --prompt "Once upon a time" --prompt "1 2 3 4")
 fi
 # The target drafts for itself here: every draft is accepted, so the summary shows the mechanism at work.

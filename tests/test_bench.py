@@ -1,6 +1,5 @@
 """python -m minispec.bench: a --quick run on tiny models (table + JSON), config precedence, the efficiency math."""
 import json
-import math
 import os
 import re
 import subprocess
@@ -139,31 +138,12 @@ def test_config_precedence(tmp_path):
         bench.check_config(_cfg(batch_sizes=[0]))
 
 
-@pytest.mark.parametrize("name", ["bench-smollm2.toml", "bench-quick.toml"])
-def test_shipped_configs_parse(name):
-    cfg = bench.load_config(os.path.join(ROOT, "configs", name))
+def test_shipped_config_parses():
+    cfg = bench.load_config(os.path.join(ROOT, "configs", "bench-smollm2.toml"))
     bench.check_config(cfg)
     assert cfg.target == "smollm2-135m-instruct" and "ngram" in cfg.drafts
-    if name == "bench-smollm2.toml":
-        assert cfg.batch_sizes == [1, 4, 16] and cfg.temperatures == [0.0, 0.8]
-        assert cfg.drafts == ["smollm2-135m-instruct-draft", "ngram"] and cfg.adaptive
-
-
-def test_alpha_and_prediction():
-    k = 4
-    # Two verifications: one accepted all 4, one accepted 1 then rejected -> 5 successes, 1 failure.
-    m = {"num_accepted_tokens": 5, "num_drafts": 2, "accepted_per_position": [2, 1, 1, 1]}
-    # 1 request: prefill token + (1 + 4) + (1 + 1) = 8 tokens.
-    assert bench.per_token_acceptance(m, 8, 1, k) == pytest.approx(5 / 6)
-    # An n-gram miss (a verification without drafts) adds a rejection: 9 tokens, 3 verifications.
-    assert bench.per_token_acceptance(m, 9, 1, k) == pytest.approx(5 / 7)
-    none = {"num_accepted_tokens": 0, "num_drafts": 3, "accepted_per_position": [0] * k}
-    assert bench.per_token_acceptance(none, 4, 1, k) == 0.0
-    assert bench.predicted_speedup(0.0, k, 0.1, 1.2) == pytest.approx(1 / (0.4 + 1.2))
-    assert bench.predicted_speedup(1.0, k, 0.0, 1.0) == pytest.approx(k + 1)
-    a = 0.7
-    assert bench.predicted_speedup(a, k, 0.05, 1.1) == pytest.approx(sum(a**i for i in range(k + 1)) / (k * 0.05 + 1.1))
-    assert math.isfinite(bench.predicted_speedup(0.999999, k, 0.0, 1.0))
+    assert cfg.batch_sizes == [1, 4, 16] and cfg.temperatures == [0.0, 0.8]
+    assert cfg.drafts == ["smollm2-135m-instruct-draft", "ngram"] and cfg.adaptive
 
 
 def test_batches_cycle_prompts():

@@ -76,10 +76,15 @@ def test_end_to_end_checkpoint_loads_everywhere(first_run, tiny_target):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["step"] == 4 and [h["step"] for h in metrics["history"]] == [2, 4]
     final = metrics["final"]
-    assert 0.0 <= final["alpha_tf"] <= 1.0 and 1.0 <= final["mean_accepted_length_tf"] <= 1 + 3
-    assert 0.0 <= final["alpha_engine"] <= 1.0 and final["mean_accepted_length_engine"] >= 1.0
-    assert "alpha_engine" in metrics["history"][0]  # engine_every = 2: evaluated mid-run too
-    assert "alpha_tf" in (out / "README.md").read_text()
+    assert 0.0 <= final["agreement_tf"] <= 1.0 and 1.0 <= final["mean_accepted_length_tf"] <= 1 + 3
+    assert 0.0 <= final["first_position_rate_engine"] <= 1.0 and final["mean_accepted_length_engine"] >= 1.0
+    assert "first_position_rate_engine" in metrics["history"][0]  # engine_every = 2: evaluated mid-run too
+    readme = (out / "README.md").read_text()
+    assert "agreement_tf" in readme
+    # The README reports this run's own figures: its parameter count and file size.
+    size = metrics["size"]
+    assert size["file_bytes"] == (out / "model.safetensors").stat().st_size
+    assert f"parameters: {size['params'] / 1e6:.1f} M" in readme and "12.6 M" not in readme
 
     # transformers: a 1-layer draft with the target's (frozen) embedding and trained copy of layer 0.
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
@@ -111,12 +116,12 @@ def test_end_to_end_checkpoint_loads_everywhere(first_run, tiny_target):
     # The run's final engine eval (its LLM built at step 2, draft weights reloaded in place at step 4)
     # measured what a fresh LLM on the exported checkpoint measures.
     from minispec.data import load_prompts
-    from minispec.llm import aggregate_metrics
+    from minispec.tools.metrics import aggregate
 
     outs = spec_llm.generate(load_prompts("eval", limit=2), SamplingParams(temperature=0.0, max_tokens=8),
                              use_chat_template=True)
-    m = aggregate_metrics(outs)
-    assert final["alpha_engine"] == m["accepted_per_position"][0] / m["num_drafts"]
+    m = aggregate(outs)
+    assert final["first_position_rate_engine"] == m["accepted_per_position"][0] / m["num_drafts"]
     assert final["mean_accepted_length_engine"] == m["mean_accepted_length"]
 
 
@@ -190,9 +195,9 @@ def test_draft_equal_to_target_agrees_everywhere(first_run, tiny_target, tmp_pat
     cfg = load_config(TINY_CONFIG, target=tiny_target, num_layers=2, steps=0)
     result = run_distill(cfg, out, progress=False, log=lambda *_: None)
     final = result["final"]
-    assert final["alpha_tf"] == 1.0
+    assert final["agreement_tf"] == 1.0
     assert final["mean_accepted_length_tf"] > 2.5  # runs are capped at k = 3 and by the response ends
-    assert final["alpha_engine"] == 1.0 and final["acceptance_rate_engine"] == 1.0
+    assert final["first_position_rate_engine"] == 1.0 and final["acceptance_rate_engine"] == 1.0
 
 
 def test_build_draft_options(tiny_target):
@@ -295,7 +300,7 @@ def test_narrow_bf16_draft_end_to_end(tiny_target, tmp_path):
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     draft = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     assert draft.config.hidden_size == 32 and draft.config.num_hidden_layers == 1
-    assert 0.0 <= result["final"]["alpha_engine"] <= 1.0
+    assert 0.0 <= result["final"]["first_position_rate_engine"] <= 1.0
 
     from minispec.llm import LLM
     from minispec.sampling_params import SamplingParams

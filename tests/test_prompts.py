@@ -1,11 +1,14 @@
 """The bundled chat prompt set: size, uniqueness, a disjoint split, every category in both halves."""
 import json
+import runpy
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from minispec.data import CATEGORIES, PROMPTS_PATH, load_prompt_items, load_prompts
-from minispec.data.build_prompts import build
+
+BUILDER = Path(__file__).resolve().parents[1] / "scripts" / "build_prompts.py"
 
 
 def test_prompt_set_size_and_uniqueness():
@@ -29,8 +32,8 @@ def test_split_disjoint_and_categories_in_both():
 
 
 def test_json_matches_builder():
-    """prompts.json is exactly what build_prompts writes (the split is fixed, not re-drawn)."""
-    assert json.loads(PROMPTS_PATH.read_text()) == build()
+    """prompts.json is exactly what scripts/build_prompts.py writes (the split is fixed, not re-drawn)."""
+    assert json.loads(PROMPTS_PATH.read_text()) == runpy.run_path(str(BUILDER))["build"]()
 
 
 def test_filters():

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import minispec.llm
 from minispec import LLM, SamplingParams
-from minispec.llm import aggregate_metrics
+from minispec.tools.metrics import aggregate
 from tests.utils import make_tiny_model_dir, requires_smollm2, smollm2_gguf_path
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow, requires_smollm2]
@@ -88,7 +88,7 @@ def check_equal(outs, hf_outputs, label: str) -> None:
 
 
 def report(label: str, outs) -> dict:
-    m = aggregate_metrics(outs)
+    m = aggregate(outs)
     print(f"\n[smollm2] {label}: acceptance_rate={m['acceptance_rate']:.4f} "
           f"accepted={m['num_accepted_tokens']}/{m['num_draft_tokens']} drafts={m['num_drafts']} "
           f"mean_accepted_length={m['mean_accepted_length']:.3f} accepted_per_position={m['accepted_per_position']} "

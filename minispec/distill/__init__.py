@@ -1,9 +1,11 @@
 """Distil a small draft model for a target: python -m minispec.distill --target T --out DIR.
 
-The draft shares the target's tokenizer, vocabulary and hidden size; by default it is the target's
-embedding (tied LM head, frozen) plus a copy of the target's first 2 layers, trained on the target's
-own responses to the bundled train prompts against the target's cached top-32 next-token
-probabilities. The result is a standard Hugging Face checkpoint that transformers and minispec load.
+The draft shares the target's tokenizer and vocabulary and is trained on the target's own responses to
+the bundled train prompts against the target's cached top-k next-token probabilities. DistillConfig's
+defaults keep the target's hidden size (its embedding and tied LM head, frozen, plus a copy of its first
+2 layers); configs/distill-smollm2.toml, the shipped draft's recipe, builds a narrower one (hidden 256, its
+embedding the target's LM head projected on the target's top hidden directions). The result is a
+standard Hugging Face checkpoint that transformers and minispec load.
 """
 from .config import DistillConfig, load_config
 from .data import build_data, teacher_topk

@@ -49,10 +49,11 @@ def main(argv=None) -> int:
         return 1
     f = result["final"]
     msg = f"wrote {args.out} at step {f['step']}"
-    if "alpha_tf" in f:
-        msg += f"; alpha_tf {f['alpha_tf']:.3f}"
-    if "alpha_engine" in f:
-        msg += f"; engine alpha {f['alpha_engine']:.3f}, mean accepted length {f['mean_accepted_length_engine']:.2f}"
+    if "agreement_tf" in f:
+        msg += f"; teacher-forced agreement {f['agreement_tf']:.3f}"
+    if "first_position_rate_engine" in f:
+        msg += (f"; engine first-position rate {f['first_position_rate_engine']:.3f}, mean accepted length "
+                f"{f['mean_accepted_length_engine']:.2f}")
     print(msg)
     return 0
 

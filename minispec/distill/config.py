@@ -1,14 +1,15 @@
 """The distillation recipe: one flat dataclass, read from a TOML file (configs/distill-*.toml)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
-from minispec.utils import read_toml
+from minispec.tools.config import load_settings
 
 
 @dataclass
 class DistillConfig:
-    """What to build, on what data, and how to train it. Defaults match configs/distill-smollm2.toml."""
+    """What to build, on what data, and how to train it: a full-width draft by default (configs/distill-smollm2.toml
+    is the shipped draft's recipe)."""
 
     target: str = "smollm2-135m-instruct"
     device: str = "auto"  # "auto": cuda if available, else cpu
@@ -52,7 +53,7 @@ class DistillConfig:
     grad_clip: float = 1.0
     bf16: bool = True  # autocast the draft's matmuls to bfloat16 (AMX / tensor cores); master weights fp32
     ckpt_every: int = 200
-    eval_every: int = 100  # teacher-forced alpha on the held-out set, every this many steps
+    eval_every: int = 100  # teacher-forced agreement on the held-out set, every this many steps
 
     # ---- speculative eval with minispec's engine ---------------------------------------------
     engine_prompts: int = 8  # eval prompts run greedy with LLM(target, draft); 0 = skip
@@ -109,9 +110,5 @@ class DistillConfig:
 
 
 def load_config(path: str | None = None, **overrides) -> DistillConfig:
-    """The defaults, updated from a TOML file, then from keyword overrides (None values are ignored)."""
-    raw = read_toml(path, {f.name for f in fields(DistillConfig)}) if path is not None else {}
-    raw.update({k: v for k, v in overrides.items() if v is not None})
-    cfg = DistillConfig(**raw)
-    cfg.validate()
-    return cfg
+    """The defaults < a TOML file < keyword overrides (None values are ignored); validated."""
+    return load_settings(DistillConfig, path, overrides)

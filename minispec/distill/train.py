@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minispec.tools.metrics import aggregate, per_token_agreement, tau_from_agreement
 from minispec.utils import parse_dtype
 
 from .config import DistillConfig
@@ -89,8 +90,8 @@ def distill_loss(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.
 def evaluate_teacher_forced(draft, records: list[dict], cfg: DistillConfig, device) -> dict:
     """Greedy agreement of draft and teacher on held-out cached data (teacher-forced).
 
-    alpha_tf: fraction of positions where the draft's argmax is the teacher's (the first-position
-    greedy acceptance rate, on the target's own text). mean_accepted_length_tf: 1 + the run of
+    agreement_tf: per_token_agreement, the fraction of positions where the draft's argmax is the
+    teacher's, on the target's own text. mean_accepted_length_tf: tau_from_agreement, 1 + the run of
     agreements starting at each position, capped at engine_k (an estimate of tokens per verify).
     Runs in float32 (no autocast), like the float32 draft minispec loads.
     """
@@ -108,15 +109,8 @@ def evaluate_teacher_forced(draft, records: list[dict], cfg: DistillConfig, devi
     draft.train()
     if not agree:
         return {}
-    k = cfg.engine_k
-    runs = []
-    for a in agree:  # run[t] = consecutive agreements from t on, capped at k
-        run = np.zeros(len(a) + 1, dtype=np.int64)
-        for t in range(len(a) - 1, -1, -1):
-            run[t] = min(run[t + 1] + 1, k) if a[t] else 0
-        runs.append(run[:-1])
-    return {"alpha_tf": float(np.concatenate(agree).mean()),
-            "mean_accepted_length_tf": float(1 + np.concatenate(runs).mean()),
+    return {"agreement_tf": per_token_agreement(agree),
+            "mean_accepted_length_tf": tau_from_agreement(agree, cfg.engine_k),
             "eval_kl": float(torch.cat(kls).mean())}
 
 
@@ -132,7 +126,7 @@ class EngineEval:
         self.llm = None
 
     def __call__(self, draft, out_dir: Path) -> dict:
-        from minispec.llm import LLM, aggregate_metrics
+        from minispec.llm import LLM
         from minispec.sampling_params import SamplingParams
 
         cfg = self.cfg
@@ -144,10 +138,9 @@ class EngineEval:
             self.llm.draft.model.load_weights({k: v.detach() for k, v in draft.state_dict().items()})
         params = SamplingParams(temperature=0.0, max_tokens=cfg.engine_max_tokens)
         outputs = self.llm.generate(self.prompts, params, use_chat_template=use_chat(cfg, self.llm.tokenizer))
-        m = aggregate_metrics(outputs)
-        alpha = m["accepted_per_position"][0] / m["num_drafts"] if m["num_drafts"] else 0.0
-        return {"alpha_engine": alpha, "mean_accepted_length_engine": m["mean_accepted_length"],
-                "acceptance_rate_engine": m["acceptance_rate"],
+        m = aggregate(outputs)
+        return {"first_position_rate_engine": m["first_position_rate"], "alpha_mle_engine": m["alpha"],
+                "mean_accepted_length_engine": m["mean_accepted_length"], "acceptance_rate_engine": m["acceptance_rate"],
                 "accepted_per_position_engine": [a / max(1, m["num_drafts"]) for a in m["accepted_per_position"]]}
 
 
@@ -297,7 +290,7 @@ def run_distill(cfg: DistillConfig, out_dir: str | Path, resume: bool = False, p
                      "loss": float(np.mean([r[0] for r in recent])), "kl": float(np.mean([r[1] for r in recent])),
                      "_engine": bool(cfg.engine_every) and step % cfg.engine_every == 0 and step != cfg.steps}
             record(entry)
-            bar.set_postfix(kl=f"{entry['kl']:.3f}", alpha_tf=f"{entry.get('alpha_tf', float('nan')):.3f}")
+            bar.set_postfix(kl=f"{entry['kl']:.3f}", agreement_tf=f"{entry.get('agreement_tf', float('nan')):.3f}")
             log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()}))
         if step % cfg.ckpt_every == 0:
             save_checkpoint(ckpt_path, draft, optimizer, step, step_train_s, history, cfg)
@@ -316,8 +309,12 @@ def run_distill(cfg: DistillConfig, out_dir: str | Path, resume: bool = False, p
     engine_s += time.perf_counter() - t
     phases["eval_s"] = engine_s
     log("final: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in final.items()}))
+    embed, head = draft.model.embed_tokens.weight, draft.lm_head.weight
+    size = {"params": sum(p.numel() for p in draft.parameters()),  # a tied head counts once
+            "embedding_params": embed.numel() + (0 if head is embed else head.numel()),
+            "file_bytes": (out_dir / "model.safetensors").stat().st_size}
     result = {"step": step, "history": history, "final": final, "phases": phases, "data": data["stats"],
-              "config": cfg.as_dict()}
+              "size": size, "config": cfg.as_dict()}
     (out_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
     (out_dir / "README.md").write_text(render_readme(result, out_dir))
     return result
@@ -329,27 +326,20 @@ Why this recipe (full width: the target's hidden size, embedding and first layer
 - Same tokenizer and vocabulary by construction: the draft reuses the target's embedding matrix (and
   its tied LM head), so draft and target ids agree and minispec can verify the draft's tokens.
 - Starting from the target's first layers puts the draft's residual stream in the target's basis, so the
-  target's final norm and LM head are a sensible read-out from step 0. Measured for SmolLM2-135M
-  (held-out, teacher-forced): at step 0 KL 15.6 to the teacher's top-32 and 4.3% greedy agreement,
-  random layers KL 52.5 and 0.8%; after 300 steps 0.26 against 0.24 for random layers.
-- The cost: the full 49 k x 576 LM head alone is ~20% of a SmolLM2-135M token, and the checkpoint
-  (~140 MB in float32) is far above what ships in a repository. Narrow drafts (hidden_size) avoid both.
+  target's final norm and LM head are a sensible read-out from step 0.
+- The cost: the full-width LM head is a large share of a small target's forward, and the checkpoint is as
+  wide as the target's embedding. Narrow drafts (hidden_size) avoid both.
 """
 
 WHY_NARROW = """\
 Why this recipe (narrow: hidden_size below the target's, tied embedding from the target's read-out):
 
 - Same tokenizer and vocabulary by construction; the LM head is where a small draft's bytes go
-  (49 k rows x hidden), so hidden sets both the file size and the draft's cost per token: at hidden 256
-  the head is 12.6 M of the draft's 14.9 M parameters, 29.9 MB in bfloat16, and a draft token costs
-  ~0.11 of a SmolLM2-135M token in minispec (float32, batch 1).
+  (vocabulary rows x hidden), so hidden sets both the file size and the draft's cost per token.
 - The tied embedding starts as the target's LM head projected on the top-d singular directions of the
   target's final hidden states on the training text, and the final norm's scale matches those states:
-  the draft's logits start as a rank-d reading of the target's. On SmolLM2-135M a rank-256 projection of
-  the target's own hidden states keeps its greedy token 86% of the time (rank 128: 67%); a projection of
-  the embedding matrix's own top directions keeps only 11%.
-- Training data are the target's own greedy responses (what a greedy verifier accepts), to the
-  project's train prompts plus synthetic ones, scored once by the float32 teacher (top-k cached), so a
+  the draft's logits start as a rank-d reading of the target's.
+- Training data are the target's own responses, scored once by the teacher (top-k cached), so a
   training step never runs the target. Cross-entropy to the renormalised top-k is KL to the truncated
   teacher up to a constant.
 """
@@ -388,15 +378,21 @@ def render_readme(result: dict, out_dir: Path) -> str:
         "",
         f"- steps: {final['step']} ({final['stopped_by']}), training time {final['train_s'] / 60:.1f} min",
     ]
-    if "alpha_tf" in final:
-        lines.append(f"- held-out teacher-forced greedy agreement (alpha_tf): {final['alpha_tf']:.3f}; estimated "
+    size = result.get("size")
+    if size:
+        lines.append(f"- parameters: {size['params'] / 1e6:.1f} M, of which the embedding / LM head "
+                     f"{size['embedding_params'] / 1e6:.1f} M; model.safetensors {size['file_bytes'] / 1e6:.1f} MB "
+                     f"({cfg['save_dtype']})")
+    if "agreement_tf" in final:
+        lines.append(f"- held-out teacher-forced greedy agreement (agreement_tf): {final['agreement_tf']:.3f}; estimated "
                      f"mean accepted length at k={cfg['engine_k']}: {final['mean_accepted_length_tf']:.2f}; "
                      f"KL to the top-{cfg['top_k']} teacher: {final['eval_kl']:.3f}")
-    if "alpha_engine" in final:
+    if "first_position_rate_engine" in final:
         per_position = [round(a, 3) for a in final["accepted_per_position_engine"]]
         lines.append(f"- minispec greedy speculative decoding, k={cfg['engine_k']}, {cfg['engine_prompts']} eval "
                      f"prompts x {cfg['engine_max_tokens']} tokens: first-position acceptance "
-                     f"{final['alpha_engine']:.3f}, mean accepted length "
+                     f"{final['first_position_rate_engine']:.3f}, i.i.d. alpha (MLE) {final['alpha_mle_engine']:.3f}, "
+                     f"mean accepted length "
                      f"{final['mean_accepted_length_engine']:.2f}, acceptance per position {per_position}")
     mass = stats.get("topk_mass", float("nan"))
     lines.append(f"- data: {stats.get('train_tokens', '?')} train / {stats.get('eval_tokens', '?')} held-out "
@@ -404,12 +400,12 @@ def render_readme(result: dict, out_dir: Path) -> str:
     lines.append("- data phases, all responses in data.pt (s): generate {:.0f}, teacher {:.0f}".format(
         stats.get("cache_generate_s", float("nan")), stats.get("cache_teacher_s", float("nan"))))
     lines.append("- wall time per phase (s): " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in phases.items()))
-    lines += ["", "## History", "", "| step | train min | train KL | held-out KL | alpha_tf | mean acc. len (tf) |",
+    lines += ["", "## History", "", "| step | train min | train KL | held-out KL | agreement_tf | mean acc. len (tf) |",
               "|---|---|---|---|---|---|"]
     nan = float("nan")
     for h in result["history"]:
         lines.append(f"| {h['step']} | {h['train_s'] / 60:.1f} | {h['kl']:.3f} | {h.get('eval_kl', nan):.3f} | "
-                     f"{h.get('alpha_tf', nan):.3f} | "
+                     f"{h.get('agreement_tf', nan):.3f} | "
                      f"{h.get('mean_accepted_length_tf', nan):.2f} |")
     lines += ["", "## Config", "", "```toml"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in cfg.items()]

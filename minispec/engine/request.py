@@ -29,6 +29,11 @@ class RequestMetrics:
         """Tokens emitted per verification with drafts: 1 + accepted / drafts."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (not the i.i.d. alpha: see tools/metrics.py)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
     def as_dict(self, num_generated: int) -> dict:
         elapsed = (self.finish_time or time.perf_counter()) - self.arrival_time
         return {
@@ -39,7 +44,7 @@ class RequestMetrics:
             "accepted_per_position": list(self.accepted_per_position),
             "betas": list(self.betas),
             "mean_accepted_length": self.mean_accepted_length,
-            "acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens) if self.num_draft_tokens else 0.0,
+            "acceptance_rate": self.acceptance_rate,
             "time_to_first_token_s": (self.first_token_time - self.arrival_time) if self.first_token_time else None,
             "elapsed_s": elapsed,
             "tokens_per_s": num_generated / elapsed if elapsed > 0 else 0.0,

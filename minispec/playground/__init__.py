@@ -3,7 +3,7 @@ tau, beta, cost ratios and speedups; write results.csv/json, plots and summary.m
 
     python -m minispec.playground --config configs/playground-smoke.toml --out DIR [--k 2,4 ...]
 """
-from minispec.playground.config import DEFAULTS, load_config
+from minispec.playground.config import PlaygroundConfig, load_config
 from minispec.playground.sweep import run_sweep
 
-__all__ = ["DEFAULTS", "load_config", "run_sweep"]
+__all__ = ["PlaygroundConfig", "load_config", "run_sweep"]

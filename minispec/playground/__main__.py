@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         "k": "speculation lengths, e.g. 1,2,4",
         "temperature": "temperatures, e.g. 0,0.7",
         "top_p": "top-p values, e.g. 1.0,0.9",
-        "prompt_set": "prompt sets: builtin, eval, train, all, eval:code+math, or a .json file",
+        "prompt_set": "prompt sets: eval, train, all, eval:code+math, or a .json file",
         "batch_size": "batch sizes (max_num_seqs), e.g. 1,4",
         "policy": "fixed and/or adaptive (AdaptiveK with k_max = max k)",
     }

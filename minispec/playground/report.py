@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minispec.spec_decode.adaptive import expected_tokens
+from minispec.tools.metrics import expected_tokens
 
 PLOTS = {
     "acceptance_by_position": "acceptance_by_position.png",
@@ -24,7 +24,7 @@ CSV_SCALARS = [
     "num_generated", "elapsed_s", "tokens_per_s", "baseline_tokens_per_s", "speedup", "baseline_drift",
     "num_verifications", "tokens_per_verification", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
     "num_stale_drafts", "draft_coverage", "mean_k",
-    "alpha", "tau", "tau_theory", "beta_mean", "beta_min", "beta_max", "beta_count",
+    "alpha", "acceptance_rate", "first_position_rate", "tau", "tau_theory", "beta_mean", "beta_min", "beta_max", "beta_count",
     "c", "verify_ratio", "verify_ratio_fit", "target_step_ms", "draft_step_ms", "predicted_speedup", "predicted_speedup_from_tau",
     "torch_version", "cpu", "threads",
 ]
@@ -226,8 +226,10 @@ def summary_markdown(result: dict) -> str:
                      + " | ".join(f"{v:.2f}" for v in c["verify_ratio_fit"].values()) + " |")
         lines.append("")
     lines += ["## Results", "",
-              "alpha = accepted / drafted tokens; tau = 1 + accepted / verifications with drafts; tau theory = "
-              "(1 - alpha^(k+1)) / (1 - alpha); predicted speedup = tau theory / (k c + fitted verify ratio); "
+              "alpha = the maximum-likelihood per-token acceptance of the i.i.d. model (fixed k only); accept = "
+              "accepted / drafted tokens (below alpha: drafts after a rejection are never tried); first = "
+              "verifications whose first draft was accepted / verifications with drafts; tau = 1 + accepted / "
+              "verifications with drafts; tau theory = (1 - alpha^(k+1)) / (1 - alpha); predicted speedup = tau theory / (k c + fitted verify ratio); "
               "speedup = tokens/s over target-only tokens/s with the same prompts and sampling, in this run. "
               "coverage = verifications with >= 1 draft / draft attempts (n-gram finds no match: < 1); mean k = k the "
               "policy asked for per step (0 = speculation off). Timed runs record beta (builds p and q even for "
@@ -237,13 +239,14 @@ def summary_markdown(result: dict) -> str:
         lines += [f"Target-only tokens/s is the mean of a run before and one after the speculative runs; after / before "
                   f"ranged {min(drifts):.2f} to {max(drifts):.2f} (how far the machine's speed moved: read speedups "
                   "with that error bar).", ""]
-    head = ["draft", "policy", "k", "T", "top_p", "prompts", "bs", "alpha", "tau", "tau theory", "beta",
+    head = ["draft", "policy", "k", "T", "top_p", "prompts", "bs", "alpha", "accept", "first", "tau", "tau theory", "beta",
             "coverage", "mean k", "tok/s", "speedup", "predicted"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for r in rows:
         vals = [r["draft_label"], r["policy"], r["k"], _fmt(r["temperature"], 2), _fmt(r["top_p"], 2),
-                r["prompt_set"], r["batch_size"], _fmt(r.get("alpha")), _fmt(r.get("tau")),
+                r["prompt_set"], r["batch_size"], _fmt(r.get("alpha")), _fmt(r.get("acceptance_rate")),
+                _fmt(r.get("first_position_rate")), _fmt(r.get("tau")),
                 _fmt(r.get("tau_theory")), _fmt(r.get("beta_mean")), _fmt(r.get("draft_coverage"), 2),
                 _fmt(r.get("mean_k"), 2), _fmt(r["tokens_per_s"], 2), _fmt(r["speedup"], 2),
                 _fmt(r.get("predicted_speedup"), 2)]

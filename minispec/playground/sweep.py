@@ -9,101 +9,48 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
-import minispec.llm
-from minispec.llm import LLM
-from minispec.spec_decode.costs import measure_costs
-from minispec.playground.prompts import load_prompt_set
+from minispec.distributed import init_distributed
+from minispec.llm import LLM, has_chat_template
+from minispec.models.loader import LoadedModel, load_model
+from minispec.playground.config import PlaygroundConfig
 from minispec.sampling_params import SamplingParams
-from minispec.spec_decode.adaptive import AdaptiveK, expected_tokens
+from minispec.spec_decode.adaptive import AdaptiveK
+from minispec.spec_decode.costs import measure_costs
+from minispec.tools.metrics import aggregate, expected_tokens, predicted_speedup
+from minispec.tools.prompts import encode_prompts, load_prompt_set
+from minispec.tools.tiny import tiny_model_dir
 from minispec.utils import parse_dtype
 
 BETA_BINS = 20  # histogram bins over [0, 1]
 
-TINY_DEFAULTS = dict(seed=0, layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, positions=512, mlp=128)
-
 
 # ---- models ---------------------------------------------------------------------------------
-def parse_tiny(spec: str) -> dict:
-    """"tiny:seed=1,layers=1" -> the tiny model's settings (TINY_DEFAULTS for the rest)."""
-    opts = dict(TINY_DEFAULTS)
-    body = spec.partition(":")[2]
-    for item in filter(None, (s.strip() for s in body.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key not in opts:
-            raise ValueError(f"{spec}: expected key=value with keys {', '.join(opts)}, got {item!r}")
-        opts[key] = int(value)
-    return opts
-
-
-def make_tiny_checkpoint(path: str | Path, seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4,
-                         kv_heads: int = 2, vocab: int = 256, positions: int = 512, mlp: int = 128) -> str:
-    """Write a random Llama checkpoint (config.json + model.safetensors, no tokenizer) into path.
-
-    Matrices are N(0, 0.1^2) and norm gains 1 + N(0, 0.2^2), seeded: two seeds give two different
-    models over one vocabulary, one seed twice gives the same model.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = Path(path)
-    if (path / "config.json").is_file():
-        return str(path)
-    config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=positions,
-                         intermediate_size=mlp, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.1 * noise)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(path)
-    finally:
-        hf_logging.enable_progress_bar()
-    return str(path)
-
-
 class ModelCache:
-    """Load each model spec once for the whole sweep; turns "tiny:..." specs into directories.
+    """Each model spec loaded once for the whole sweep and handed to every LLM built on it ("tiny:..." specs
+    become checkpoint directories under models_dir). A loaded model holds no per-run state: the KV caches
+    live in each engine's runners."""
 
-    While active, minispec.llm.load_model is memoized: a loaded model holds no per-run state (the
-    KV caches live in each engine's runners), so every engine of the sweep shares it.
-    """
-
-    def __init__(self, models_dir: Path):
+    def __init__(self, models_dir: Path, dtype: str):
         self.models_dir = Path(models_dir)
-        self.loaded: dict = {}
-        self._real = minispec.llm.load_model
+        self.dtype = parse_dtype(dtype)
+        self.device = init_distributed().device
+        self.loaded: dict[str, LoadedModel] = {}
 
-    def resolve(self, spec: str) -> str:
-        """A loadable spec: tiny specs become a checkpoint directory under models_dir."""
-        if not spec.startswith("tiny:"):
+    def load(self, spec: str) -> LoadedModel | str:
+        """The loaded model of a spec ("ngram" stays a name)."""
+        if spec == "ngram":
             return spec
-        opts = parse_tiny(spec)
-        name = "tiny-" + "-".join(f"{k}{v}" for k, v in opts.items())
-        return make_tiny_checkpoint(self.models_dir / name, **opts)
-
-    def load(self, spec: str, **kw):
-        key = (spec, tuple(sorted((k, str(v)) for k, v in kw.items())))
-        if key not in self.loaded:
-            self.loaded[key] = self._real(spec, **kw)
-        return self.loaded[key]
-
-    @contextlib.contextmanager
-    def active(self):
-        minispec.llm.load_model = self.load
-        try:
-            yield self
-        finally:
-            minispec.llm.load_model = self._real
+        if spec.startswith("tiny:"):
+            spec = tiny_model_dir(spec, self.models_dir)
+        if spec not in self.loaded:
+            self.loaded[spec] = load_model(spec, dtype=self.dtype, device=self.device)
+        return self.loaded[spec]
 
 
 # ---- environment ----------------------------------------------------------------------------
@@ -157,26 +104,11 @@ class _CountingPolicy:
             self.inner.observe_step(*timing)
 
 
-def uses_chat_template(llm: LLM) -> bool:
-    """Whether the target's tokenizer has a chat template."""
-    return bool(getattr(llm.tokenizer, "chat_template", None))
-
-
-def encode_prompts(llm: LLM, prompts: list[str], chat: bool, max_tokens: int) -> tuple[list[list[int]], int]:
-    """Token ids per prompt, cut from the left to leave room for max_tokens; and how many were cut.
-
-    chat applies the chat template where the tokenizer has one. A target without a tokenizer (a tiny
-    random model) gets each prompt's UTF-8 bytes modulo its vocabulary.
-    """
-    room = max(1, llm.engine.config.max_model_len - max_tokens - 1)
-    ids = []
-    for p in prompts:
-        if llm.tokenizer is None:
-            ids.append([b % llm.target.vocab_size for b in p.encode()])
-        else:
-            ids.append(llm.encode(p, chat and uses_chat_template(llm)))
-    cut = sum(len(t) > room for t in ids)
-    return [t[-room:] for t in ids], cut
+def encode_for(llm: LLM, prompts: list[str], chat: bool, max_tokens: int) -> tuple[list[list[int]], int]:
+    """Token ids per prompt, cut from the left to leave room for max_tokens; and how many were cut. A target
+    without a tokenizer (a tiny random model) gets each prompt's UTF-8 bytes modulo its vocabulary."""
+    room = llm.engine.config.max_model_len - max_tokens - 1
+    return encode_prompts(llm.tokenizer, prompts, chat, room, llm.target.name, llm.target.vocab_size)
 
 
 def run_one(llm: LLM, prompt_ids: list[list[int]], params: list[SamplingParams], record_beta: bool, policy=None) -> dict:
@@ -190,44 +122,34 @@ def run_one(llm: LLM, prompt_ids: list[list[int]], params: list[SamplingParams],
     elapsed = time.perf_counter() - t0
     engine.k_policy = None
     engine.config.record_beta = False
-    ms = [o.metrics for o in outs]
-    k = engine.k
-    return {
-        "num_generated": sum(len(o.token_ids) for o in outs),
-        "elapsed_s": elapsed,
-        "num_drafts": sum(m["num_drafts"] for m in ms),
-        "num_draft_tokens": sum(m["num_draft_tokens"] for m in ms),
-        "num_accepted_tokens": sum(m["num_accepted_tokens"] for m in ms),
-        "num_stale_drafts": sum(m["num_stale_drafts"] for m in ms),
-        "accepted_per_position": [sum(m["accepted_per_position"][j] for m in ms) for j in range(k)],
-        "betas": np.array([b for m in ms for b in m["betas"]], dtype=np.float64),
-        "k_counts": counter.counts.tolist() if counter is not None else [],
-        "num_requests": len(outs),
-    }
+    return {**aggregate(outs), "elapsed_s": elapsed,
+            "betas": np.array([b for o in outs for b in o.metrics["betas"]], dtype=np.float64),
+            "k_counts": counter.counts.tolist() if counter is not None else []}
 
 
 def make_row(res: dict, k: int, costs: dict, draft_name: str | None) -> dict:
-    """Derived quantities of one run: alpha, tau, per-position rates, beta stats, predicted speedup."""
-    nd, ndt, na = res["num_drafts"], res["num_draft_tokens"], res["num_accepted_tokens"]
-    alpha = na / ndt if ndt else 0.0
-    tau = 1.0 + na / nd if nd else 1.0
+    """Derived quantities of one run: the estimators of tools/metrics.py, per-position rates, beta stats, predicted
+    speedup. alpha (the i.i.d. MLE) assumes a fixed k: the adaptive rows drop it."""
+    nd, tau, alpha = res["num_drafts"], res["mean_accepted_length"], res["alpha"]
     betas = res["betas"]
     opportunities = int(np.sum(res["k_counts"][1:])) if res["k_counts"] else 0
     row = {
-        "num_generated": res["num_generated"],
+        "num_generated": res["num_tokens"],
         "elapsed_s": res["elapsed_s"],
-        "tokens_per_s": res["num_generated"] / res["elapsed_s"] if res["elapsed_s"] > 0 else 0.0,
+        "tokens_per_s": res["num_tokens"] / res["elapsed_s"] if res["elapsed_s"] > 0 else 0.0,
         "num_drafts": nd,
-        "num_draft_tokens": ndt,
-        "num_accepted_tokens": na,
+        "num_draft_tokens": res["num_draft_tokens"],
+        "num_accepted_tokens": res["num_accepted_tokens"],
         "num_stale_drafts": res["num_stale_drafts"],
         "alpha": alpha,
+        "acceptance_rate": res["acceptance_rate"],
+        "first_position_rate": res["first_position_rate"],
         "tau": tau,
         "accept_rate_by_position": [a / nd if nd else 0.0 for a in res["accepted_per_position"]],
         # The policy is asked after every verification but a request's last: add one per request. Target
         # only, every verification emits one token.
         "num_verifications": int(np.sum(res["k_counts"])) + res["num_requests"] if res["k_counts"]
-        else res["num_generated"],
+        else res["num_tokens"],
         "draft_coverage": nd / opportunities if opportunities else None,  # opportunities that gave >= 1 draft
         "mean_k": float(np.dot(res["k_counts"], np.arange(len(res["k_counts"]))) / max(1, sum(res["k_counts"])))
         if res["k_counts"] else 0.0,
@@ -239,15 +161,15 @@ def make_row(res: dict, k: int, costs: dict, draft_name: str | None) -> dict:
         "beta_hist": np.histogram(np.clip(betas, 0.0, 1.0), bins=BETA_BINS, range=(0.0, 1.0))[0].tolist(),
         "target_step_ms": costs["target_step_ms"],
     }
-    row["tokens_per_verification"] = res["num_generated"] / max(1, row["num_verifications"])
+    row["tokens_per_verification"] = res["num_tokens"] / max(1, row["num_verifications"])
     if draft_name is None:  # target only
-        row["alpha"] = None
+        row.update(alpha=None, acceptance_rate=None, first_position_rate=None)
         return row
     c = costs["c"][draft_name]
     v = costs["verify_ratio_fit"][k]  # the fitted line: single measurements are noisy
     row.update(c=c, draft_step_ms=costs["draft_step_ms"][draft_name], verify_ratio=costs["verify_ratio"][k],
                verify_ratio_fit=v, tau_theory=expected_tokens(alpha, k))
-    row["predicted_speedup"] = row["tau_theory"] / (k * c + v)
+    row["predicted_speedup"] = predicted_speedup(alpha, k, c, v)
     row["predicted_speedup_from_tau"] = tau / (k * c + v)
     return row
 
@@ -259,7 +181,7 @@ def _draft_label(draft: str, target: str) -> str:
     return os.path.basename(os.path.normpath(draft)) or draft
 
 
-def run_sweep(cfg: dict, out_dir: str | Path, progress: bool = True) -> dict:
+def run_sweep(cfg: PlaygroundConfig, out_dir: str | Path, progress: bool = True) -> dict:
     """Run every configuration of cfg (see minispec.playground.config); returns {env, settings, costs, rows}.
 
     Per batch size: cost ratios, target-only runs, every draft x k x policy x sampling run, then the
@@ -270,73 +192,71 @@ def run_sweep(cfg: dict, out_dir: str | Path, progress: bool = True) -> dict:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg["threads"] > 0:
-        torch.set_num_threads(cfg["threads"])
-    cache = ModelCache(out_dir / "models")
-    prompt_sets = {ps: load_prompt_set(ps, cfg["num_prompts"]) for ps in cfg["prompt_set"]}
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    cache = ModelCache(out_dir / "models", cfg.dtype)
+    prompt_sets = {ps: load_prompt_set(ps, cfg.num_prompts) for ps in cfg.prompt_set}
     sweep = _Sweep(cfg, cache, {ps: prompts for ps, (prompts, _) in prompt_sets.items()})
-    ks, fixed, adaptive = sweep.ks, "fixed" in cfg["policy"], "adaptive" in cfg["policy"]
+    ks, fixed, adaptive = sweep.ks, "fixed" in cfg.policy, "adaptive" in cfg.policy
     runs_per_b = len(sweep.sampling) * (2 + len(sweep.drafts) * ((len(ks) if fixed else 0) + adaptive))
-    bar = tqdm(total=runs_per_b * len(cfg["batch_size"]), desc="sweep", unit="run", disable=not progress)
+    bar = tqdm(total=runs_per_b * len(cfg.batch_size), desc="sweep", unit="run", disable=not progress)
     rows, all_costs = [], {}
-    with cache.active():
-        for b in cfg["batch_size"]:
-            all_costs[b], batch_rows = sweep.run_batch_size(b, bar)
-            rows += batch_rows
+    for b in cfg.batch_size:
+        all_costs[b], batch_rows = sweep.run_batch_size(b, bar)
+        rows += batch_rows
     bar.close()
     env = env_info()
     for i, row in enumerate(rows):
         row["config_id"] = i
         row.update(torch_version=env["torch_version"], cpu=env["cpu"], threads=env["threads"])
-    return {"env": env, "settings": cfg, "prompt_sets": {ps: desc for ps, (_, desc) in prompt_sets.items()},
+    return {"env": env, "settings": asdict(cfg), "prompt_sets": {ps: desc for ps, (_, desc) in prompt_sets.items()},
             "costs": {str(b): c for b, c in all_costs.items()}, "rows": rows}
 
 
 class _Sweep:
     """The grid of one sweep and the runs of one batch size."""
 
-    def __init__(self, cfg: dict, cache: ModelCache, prompts: dict[str, list[str]]):
+    def __init__(self, cfg: PlaygroundConfig, cache: ModelCache, prompts: dict[str, list[str]]):
         self.cfg = cfg
         self.cache = cache
         self.prompts = prompts
-        self.target = cache.resolve(cfg["target"])
-        # draft name (as configured) -> loadable spec; "target" and the target's own spec draft for themselves
-        self.drafts = {d: self.target if d in ("target", cfg["target"]) else d if d == "ngram" else cache.resolve(d)
-                       for d in cfg["draft"]}
-        self.ks = sorted(set(cfg["k"]))
-        self.sampling = list(itertools.product(cfg["prompt_set"], cfg["temperature"], cfg["top_p"]))
-        self.common = dict(dtype=cfg["dtype"], seed=cfg["seed"], ngram_n=tuple(cfg["ngram_n"]))
+        self.target = cache.load(cfg.target)
+        # draft name (as configured) -> loaded model or "ngram"; "target" and the target's own spec draft for themselves
+        self.drafts = {d: self.target if d in ("target", cfg.target) else cache.load(d)
+                       for d in cfg.draft}
+        self.ks = sorted(set(cfg.k))
+        self.sampling = list(itertools.product(cfg.prompt_set, cfg.temperature, cfg.top_p))
+        self.common = dict(dtype=cfg.dtype, seed=cfg.seed, ngram_n=tuple(cfg.ngram_n))
 
     def params(self, t: float, top_p: float, n: int) -> list[SamplingParams]:
         cfg = self.cfg
-        return [SamplingParams(temperature=t, top_p=top_p, max_tokens=cfg["max_tokens"], ignore_eos=cfg["ignore_eos"],
-                               seed=cfg["seed"] + i) for i in range(n)]
+        return [SamplingParams(temperature=t, top_p=top_p, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos,
+                               seed=cfg.seed + i) for i in range(n)]
 
     def warm(self, llm: LLM, encoded: dict) -> None:
         """One short untimed generate: first-call allocations stay out of the timed runs."""
-        if self.cfg["warmup"]:
+        if self.cfg.warmup:
             first = next(iter(encoded.values()))[0][:1]
-            llm.generate(first, SamplingParams(temperature=0, max_tokens=min(8, self.cfg["max_tokens"]), ignore_eos=True))
+            llm.generate(first, SamplingParams(temperature=0, max_tokens=min(8, self.cfg.max_tokens), ignore_eos=True))
 
     def run_batch_size(self, b: int, bar) -> tuple[dict, list[dict]]:
         """Cost ratios and every row of batch size b."""
         cfg, k_max = self.cfg, max(self.ks)
-        fixed, adaptive = "fixed" in cfg["policy"], "adaptive" in cfg["policy"]
+        fixed, adaptive = "fixed" in cfg.policy, "adaptive" in cfg.policy
         bar.set_postfix_str(f"bs={b} target-only")
         base_llm = LLM(self.target, None, max_num_seqs=b, **self.common)
-        chat = cfg["chat"] and uses_chat_template(base_llm)
-        encoded = {ps: encode_prompts(base_llm, p, chat, cfg["max_tokens"]) for ps, p in self.prompts.items()}
+        chat = cfg.chat and has_chat_template(base_llm.tokenizer)
+        encoded = {ps: encode_for(base_llm, p, chat, cfg.max_tokens) for ps, p in self.prompts.items()}
         bar.set_postfix_str(f"bs={b} cost ratios")
-        dtype = parse_dtype(cfg["dtype"])
-        draft_models = {name: spec if spec == "ngram" else self.cache.load(spec, dtype=dtype, device=base_llm.device).model
-                        for name, spec in self.drafts.items()}
-        costs = measure_costs(base_llm.target.model, draft_models, k_max, b, cfg["cost_context"], cfg["cost_repeats"],
-                              base_llm.target.vocab_size, dtype, base_llm.device, tuple(cfg["ngram_n"]), cfg["seed"])
+        draft_models = {name: d if d == "ngram" else d.model for name, d in self.drafts.items()}
+        costs = measure_costs(base_llm.target.model, draft_models, k_max, b, cfg.cost_context, cfg.cost_repeats,
+                              base_llm.target.vocab_size, self.cache.dtype, base_llm.device, tuple(cfg.ngram_n),
+                              cfg.seed)
 
         def settings(draft, policy, k, ps, t, top_p):
-            return {"target": cfg["target"], "draft": draft, "policy": policy, "k": k, "temperature": t,
+            return {"target": cfg.target, "draft": draft, "policy": policy, "k": k, "temperature": t,
                     "top_p": top_p, "prompt_set": ps, "batch_size": b, "num_prompts": len(encoded[ps][0]),
-                    "max_tokens": cfg["max_tokens"], "chat": chat, "dtype": cfg["dtype"], "seed": cfg["seed"],
+                    "max_tokens": cfg.max_tokens, "chat": chat, "dtype": cfg.dtype, "seed": cfg.seed,
                     "prompts_truncated": encoded[ps][1]}
 
         def baseline_runs() -> dict:
@@ -350,11 +270,11 @@ class _Sweep:
         self.warm(base_llm, encoded)
         first = baseline_runs()
         rows = []
-        for name, spec in self.drafts.items():
-            label = _draft_label(name, cfg["target"])
+        for name, draft in self.drafts.items():
+            label = _draft_label(name, cfg.target)
             for k in self.ks if fixed else [k_max]:
                 bar.set_postfix_str(f"bs={b} draft={label} k={k}")
-                llm = LLM(self.target, spec, num_speculative_tokens=k, max_num_seqs=b, **self.common)
+                llm = LLM(self.target, draft, num_speculative_tokens=k, max_num_seqs=b, **self.common)
                 self.warm(llm, encoded)
                 policies = (["fixed"] if fixed else []) + (["adaptive"] if adaptive and k == k_max else [])
                 for policy, (ps, t, top_p) in itertools.product(policies, self.sampling):
@@ -363,11 +283,11 @@ class _Sweep:
                     if policy == "adaptive":
                         verify_costs = [1.0] + [costs["verify_ratio_fit"][j] for j in range(1, k + 1)]
                         pol = AdaptiveK(k, draft_cost=costs["c"][name], verify_costs=verify_costs,
-                                        **cfg["adaptive"])
-                    res = run_one(llm, ids, self.params(t, top_p, len(ids)), cfg["record_beta"], pol)
+                                        **cfg.adaptive)
+                    res = run_one(llm, ids, self.params(t, top_p, len(ids)), cfg.record_beta, pol)
                     row = {**settings(name, policy, k, ps, t, top_p), "draft_label": label, **make_row(res, k, costs, name)}
                     if policy == "adaptive":  # the fixed-k model does not apply; keep measured numbers only
-                        for key in ("tau_theory", "predicted_speedup", "predicted_speedup_from_tau"):
+                        for key in ("alpha", "tau_theory", "predicted_speedup", "predicted_speedup_from_tau"):
                             row[key] = None
                     rows.append(row)
                     bar.update(1)
@@ -379,7 +299,7 @@ class _Sweep:
         for key, res in first.items():
             row = {**settings("none", "none", 0, *key), "draft_label": "none", **make_row(res, 0, costs, None)}
             tps_first = row["tokens_per_s"]
-            tps_last = last[key]["num_generated"] / last[key]["elapsed_s"]
+            tps_last = last[key]["num_tokens"] / last[key]["elapsed_s"]
             row.update(elapsed_s=(res["elapsed_s"] + last[key]["elapsed_s"]) / 2, tokens_per_s=(tps_first + tps_last) / 2,
                        baseline_tokens_per_s_first=tps_first, baseline_tokens_per_s_last=tps_last,
                        baseline_drift=tps_last / tps_first, speedup=1.0)

@@ -61,6 +61,14 @@ def expected_tokens(alpha: float | np.ndarray, k: int | np.ndarray) -> float | n
     return float(out) if out.ndim == 0 else out
 
 
+def predicted_speedup(alpha: float, k: int, c: float, verify_ratio: float) -> float:
+    """Tokens per step over target-only at per-token acceptance alpha: expected_tokens / (k * c + verify_ratio).
+
+    c: draft cost per drafted token, verify_ratio: a (k + 1)-token target forward, both in target decode steps.
+    """
+    return expected_tokens(alpha, k) / (k * c + verify_ratio)
+
+
 @dataclass(slots=True)
 class _RequestState:
     req: object  # the Request this state belongs to (a new request reusing the id starts afresh)
@@ -83,9 +91,7 @@ class AdaptiveK:
     k_max: the engine's num_speculative_tokens. draft_cost: c, draft cost per drafted token over a
     target decode step. verify_costs: v[0..k_max] (v[0] = 1), or None for free verification
     (v[k] = 1). cost_model: batch_size -> (draft_cost, verify_costs), used instead of the fixed pair when
-    given. draft_steps_fixed: charge k_max * c whenever k > 0 (for a proposer that always drafts
-    k_max tokens and truncates; the engine's proposers draft only the chosen k). overhead_decay: how
-    fast the measured step overhead forgets old steps. See the module docstring.
+    given. overhead_decay: how fast the measured step overhead forgets old steps. See the module docstring.
     """
 
     def __init__(
@@ -98,7 +104,6 @@ class AdaptiveK:
         prior_weight: float = 2.0,
         margin: float = 1.0,
         probe_every: int = 8,
-        draft_steps_fixed: bool = False,
         cost_model=None,
         overhead_decay: float = 0.9,
         pool_decay: float = 0.95,
@@ -112,7 +117,6 @@ class AdaptiveK:
         if prior_weight <= 0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
         self.k_max = k_max
-        self.draft_steps_fixed = draft_steps_fixed
         self.cost_model = cost_model
         self.fixed_costs = self.step_costs(draft_cost, verify_costs)  # [k_max + 1] forward cost of k drafts
         self._costs_by_batch: dict[int, np.ndarray] = {}
@@ -137,9 +141,7 @@ class AdaptiveK:
         v = np.ones(self.k_max + 1) if verify_costs is None else np.asarray(verify_costs, dtype=np.float64)
         if v.shape != (self.k_max + 1,):
             raise ValueError(f"verify_costs needs k_max + 1 = {self.k_max + 1} entries (v[0] = 1), got {v.shape[0]}")
-        ks = np.arange(self.k_max + 1)
-        drafting = np.where(ks > 0, self.k_max if self.draft_steps_fixed else ks, 0)
-        costs = drafting * float(draft_cost) + v
+        costs = np.arange(self.k_max + 1) * float(draft_cost) + v
         costs[0] = 1.0
         return costs
 
@@ -242,11 +244,3 @@ class AdaptiveK:
         """Mean chosen k over every request drafted so far (nan before the first)."""
         n = self.counts.sum()
         return float((self.counts * np.arange(self.k_max + 1)).sum() / n) if n else float("nan")
-
-    def reset(self) -> None:
-        """Forget every request, the pooled prior, the k counts and the probe counter (not the step overhead)."""
-        self.states.clear()
-        self.counts[:] = 0
-        self.steps_off = 0
-        self.probe_gap = self.probe_every
-        self.pool[:] = 0

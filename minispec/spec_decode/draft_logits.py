@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
 from minispec.distributed import get_tp_group
-from minispec.utils import cdiv, use_triton
+from minispec.utils import cdiv, load_triton, use_triton
+
+triton, tl = load_triton()
 
 # Tests set this to run the Triton kernels on CPU tensors (under TRITON_INTERPRET=1).
 FORCE_TRITON = False

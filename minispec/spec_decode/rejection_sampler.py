@@ -11,11 +11,12 @@ Draws use the exponential race argmax(dist / noise), so the residual is never no
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from minispec.sample.sampler import NOISE_MAX, NOISE_MIN, _sanitize, probs_from_logits, sample
+from minispec.utils import load_triton
 from minispec.utils import use_triton as _use_triton
+
+triton, tl = load_triton()
 
 
 def _probs(target_logits, draft_logits, cu_num_logits, temperature, top_k, top_p):

@@ -205,8 +205,8 @@ def main() -> int:
     for e in errors[:20]:
         print(e, flush=True)
     # Tear the group down before exit: gloo can abort in its destructors otherwise.
-    group.barrier()
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     if num_errors.item():
         print(f"rank {rank}: FAILED ({len(errors)} here, {num_errors.item()} in all)", flush=True)

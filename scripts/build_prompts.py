@@ -1,12 +1,11 @@
 """Rebuild prompts.json: hand-written chat prompts by category, with a fixed seeded train/eval split.
 
-Run: python -m minispec.data.build_prompts  (rewrites minispec/data/prompts.json in place)
+Run: .venv/bin/python scripts/build_prompts.py  (rewrites minispec/data/prompts.json in place)
 """
 from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 EVAL_FRACTION = 0.2
 SEED = 20240613
@@ -348,7 +347,8 @@ def build() -> dict[str, list[dict]]:
 
 
 if __name__ == "__main__":
-    path = Path(__file__).with_name("prompts.json")
+    from minispec.data import PROMPTS_PATH as path
+
     data = build()
     path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {path}: {len(data['train'])} train, {len(data['eval'])} eval")

@@ -1,0 +1,86 @@
+"""Acceptance metrics: the per-request counters summed over a run, and the named estimators read off them.
+
+The model behind alpha and tau: each draft is accepted independently with probability alpha
+(Leviathan et al., 2023), so a verification of k drafts is a run of Bernoulli trials that stops at the
+first rejection, and emits on average expected_tokens(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) tokens.
+
+- acceptance_rate: accepted / drafted tokens. Not alpha: drafts after a rejection are never tried, so
+  fed into expected_tokens it predicts too little (i.i.d. alpha = 0.5, k = 4: 0.23, tau 1.31, not 1.94).
+- first_position_rate: verifications whose first draft was accepted / verifications with drafts.
+  alpha under the model; on real drafts below per_token_agreement, since a verification starts right
+  after a rejection and misses come in runs.
+- alpha_mle: the maximum-likelihood alpha of the model from the accept counts of fixed-k runs.
+- tau (mean_accepted_length): tokens per verification with drafts, 1 + accepted / verifications
+  (RequestMetrics.mean_accepted_length); expected_tokens(alpha, k) under the model.
+- per_token_agreement: along a text, the fraction of positions where the draft's greedy token is the
+  target's (teacher-forced); alpha under the model. tau_from_agreement: its capped runs as tau.
+- predicted_speedup(alpha, k, c, verify_ratio): expected tokens over the cost of a step in target
+  forwards (spec_decode/adaptive.py, which AdaptiveK's rule shares).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from minispec.engine.request import RequestMetrics
+from minispec.spec_decode.adaptive import expected_tokens, predicted_speedup
+
+__all__ = ["aggregate", "alpha_mle", "expected_tokens", "first_position_rate", "per_token_agreement",
+           "predicted_speedup", "tau_from_agreement"]
+
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_stale_drafts")
+
+
+def aggregate(outputs) -> dict:
+    """The speculation counters of RequestOutputs summed, with every estimator of this module.
+
+    Keys: COUNTERS, accepted_per_position, num_tokens (generated), num_requests, mean_accepted_length
+    (tau), acceptance_rate, first_position_rate, alpha (alpha_mle; fixed k = len(accepted_per_position)).
+    """
+    ms = [o.metrics for o in outputs]
+    k = max((len(m["accepted_per_position"]) for m in ms), default=0)
+    total = RequestMetrics(**{c: sum(m[c] for m in ms) for c in COUNTERS},
+                           accepted_per_position=[sum(m["accepted_per_position"][j] for m in ms) for j in range(k)])
+    out = {c: getattr(total, c) for c in COUNTERS}
+    out.update(accepted_per_position=total.accepted_per_position, num_tokens=sum(len(o.token_ids) for o in outputs),
+               num_requests=len(outputs), mean_accepted_length=total.mean_accepted_length,
+               acceptance_rate=total.acceptance_rate)
+    out.update(first_position_rate=first_position_rate(out), alpha=alpha_mle(out))
+    return out
+
+
+def first_position_rate(m: dict) -> float:
+    """Verifications whose first draft was accepted / verifications with drafts (0 without any)."""
+    return m["accepted_per_position"][0] / m["num_drafts"] if m["num_drafts"] and m["accepted_per_position"] else 0.0
+
+
+def alpha_mle(m: dict) -> float:
+    """Maximum-likelihood i.i.d. alpha from the summed counters of a fixed-k run (k = len(accepted_per_position)).
+
+    Each decode verification is a run of Bernoulli trials that stops at the first rejection or after k
+    acceptances; a verification without any draft (an n-gram miss) counts as a rejection at draft 1.
+    Decode verifications = generated tokens - one per request (the prefill) - accepted drafts.
+    """
+    k = len(m["accepted_per_position"])
+    accepted = m["num_accepted_tokens"]
+    all_k = m["accepted_per_position"][k - 1] if k else 0
+    steps = max(m["num_drafts"], m["num_tokens"] - m["num_requests"] - accepted)
+    trials = accepted + steps - all_k
+    return accepted / trials if trials > 0 else 0.0
+
+
+def per_token_agreement(agree: Sequence[np.ndarray]) -> float:
+    """Fraction of positions where the draft agreed with the target, over texts of 0/1 agreements."""
+    return float(np.concatenate(agree).mean())
+
+
+def tau_from_agreement(agree: Sequence[np.ndarray], k: int) -> float:
+    """1 + the mean run of agreements starting at each position, capped at k: tau of greedy k-draft steps."""
+    runs = []
+    for a in agree:  # run[t] = consecutive agreements from t on, capped at k
+        run = np.zeros(len(a) + 1, dtype=np.int64)
+        for t in range(len(a) - 1, -1, -1):
+            run[t] = min(run[t + 1] + 1, k) if a[t] else 0
+        runs.append(run[:-1])
+    return float(1 + np.concatenate(runs).mean())

