@@ -312,3 +312,17 @@ def test_sweep_with_tokenizer_and_chat_template(tmp_path):
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert [r["draft"] for r in rows] == ["none", "ngram"]
     assert all(r["chat"] and r["num_generated"] == 16 for r in rows)
+
+
+def test_tiny_specs(tmp_path):
+    """"tiny:..." specs become seeded random checkpoints, built once per spec."""
+    from minispec.tools.tiny import parse_tiny, tiny_model_dir
+
+    spec = "tiny:seed=1,layers=1,hidden=32,heads=2,kv_heads=1,mlp=64"
+    path = tiny_model_dir(spec, tmp_path)
+    config = json.loads((tmp_path / os.path.basename(path) / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["max_position_embeddings"]) == (1, 32, 512)
+    assert tiny_model_dir(spec, tmp_path) == path and len(os.listdir(tmp_path)) == 1
+    assert parse_tiny("tiny:")["max_position_embeddings"] == 512
+    with pytest.raises(ValueError, match="layers"):
+        parse_tiny("tiny:layer=1")
