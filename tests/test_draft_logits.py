@@ -23,6 +23,7 @@ from minispec.spec_decode.draft_logits import (
     shard_owners,
     shard_rows,
 )
+from tests.utils import DEVICES
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "dist_scripts" / "draft_logits_check.py"
@@ -56,14 +57,14 @@ def fake_tp(monkeypatch):
     return set_group
 
 
-def make_cache(max_num_reqs=8, num_steps=2, vocab_size=3, sharded=True):
+def make_cache(max_num_reqs=8, num_steps=2, vocab_size=3, sharded=True, device="cpu"):
     return DraftLogitsCache(max_num_reqs, num_steps, vocab_size, dtype=torch.float32, fill=0.0,
-                            device="cpu", sharded=sharded)
+                            device=device, sharded=sharded)
 
 
-def build(slots, num_logits):
+def build(slots, num_logits, device="cpu"):
     return InputBatch.build([f"r{s}" for s in slots], np.array(slots, dtype=np.int32),
-                            np.array(num_logits, dtype=np.int64), "cpu")
+                            np.array(num_logits, dtype=np.int64), device)
 
 
 def test_shard_helpers():
@@ -87,30 +88,33 @@ def test_initial_tables(fake_tp, tp):
     assert stale.tolist() == [True, True]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tp", [1, 2, 3])
-def test_kernels_match_torch(fake_tp, tp):
-    """Random batches: Triton (interpreted) and torch paths give identical tables and stale flags."""
+def test_kernels_match_torch(fake_tp, tp, device):
+    """Random batches: Triton (on device: interpreted on CPU, compiled on CUDA) and torch (CPU) paths give
+    identical tables and stale flags."""
     rng = np.random.default_rng(tp)
     max_num_reqs, num_steps = 11, 3
     for rank in range(tp):
         fake_tp(tp, rank)
         ref = make_cache(max_num_reqs, num_steps)
-        tri = make_cache(max_num_reqs, num_steps)
+        tri = make_cache(max_num_reqs, num_steps, device=device)
         for _ in range(12):
             n = int(rng.integers(0, max_num_reqs + 1))
             slots = rng.permutation(max_num_reqs)[:n].astype(np.int32)
             # Some batches verify first (stale_drafts), all then draft (assign).
             num_logits = rng.integers(0, num_steps + 3, size=n)
             batch = build(slots.tolist(), num_logits)
+            tri_batch = build(slots.tolist(), num_logits, device)
             want = ref.stale_drafts(batch)
             with triton_path(True):
-                got = tri.stale_drafts(batch)
+                got = tri.stale_drafts(tri_batch).cpu()
             assert got.dtype == torch.bool and torch.equal(got, want), (got, want)
             ref.assign(batch.idx_mapping, batch.idx_mapping_np)
             with triton_path(True):
-                tri.assign(batch.idx_mapping, batch.idx_mapping_np)
+                tri.assign(tri_batch.idx_mapping, tri_batch.idx_mapping_np)
             for name in ("row_mapping", "inverse_row_mapping", "shard_mapping"):
-                assert torch.equal(getattr(ref, name), getattr(tri, name)), name
+                assert torch.equal(getattr(ref, name), getattr(tri, name).cpu()), name
             assert np.array_equal(ref.shard_mapping_np, tri.shard_mapping_np)
             assert ref.shard_mapping_np.tolist() == ref.shard_mapping.tolist()
             # The assign semantics, spelled out.
@@ -129,21 +133,22 @@ def _rows_test_kernel(out_ptr, slots_ptr, row_mapping_ptr, n, BLOCK: tl.constexp
     tl.store(out_ptr + idx, draft_logits_row(slot, row_mapping_ptr), mask=idx < n)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sharded", [False, True])
-def test_draft_logits_row(fake_tp, sharded):
+def test_draft_logits_row(fake_tp, sharded, device):
     fake_tp(2, 1)
-    cache = make_cache(max_num_reqs=6, sharded=sharded)
-    batch = build([4, 0, 5, 2], [1, 1, 1, 1])
+    cache = make_cache(max_num_reqs=6, sharded=sharded, device=device)
+    batch = build([4, 0, 5, 2], [1, 1, 1, 1], device)
     cache.assign(batch.idx_mapping, batch.idx_mapping_np)
-    slots = torch.tensor([0, 1, 2, 3, 4, 5], dtype=torch.int32)
-    out = torch.empty(6, dtype=torch.int64)
+    slots = torch.tensor([0, 1, 2, 3, 4, 5], dtype=torch.int32, device=device)
+    out = torch.empty(6, dtype=torch.int64, device=device)
     _rows_test_kernel[(1,)](out, slots, cache.row_mapping, 6, BLOCK=8)
     assert out.tolist() == cache.rows_of(slots).tolist()
     if sharded:
         # Positions 1 (slot 0) and 3 (slot 2) go to rank 1, rows 0 and 1; slots 1 and 3 keep their
         # slot-based row (slot // 2), slots 4 and 5 went to rank 0.
         assert out.tolist() == [0, 0, 1, 1, -1, -1]
-        assert cache.rows_of(torch.tensor([-1, 2])).tolist() == [-1, 1]
+        assert cache.rows_of(torch.tensor([-1, 2], device=device)).tolist() == [-1, 1]
     else:
         assert out.tolist() == [0, 1, 2, 3, 4, 5]
 
@@ -190,11 +195,12 @@ def test_replicated_owners_round_robin(fake_tp):
     assert cache.stale_drafts(build([7], [2])) is None
 
 
-def test_empty_batch(fake_tp):
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(fake_tp, device):
     fake_tp(2, 0)
     for on in (False, True):
-        cache = make_cache()
-        batch = build([], [])
+        cache = make_cache(device=device)
+        batch = build([], [], device)
         with triton_path(on):
             cache.assign(batch.idx_mapping, batch.idx_mapping_np)
             stale = cache.stale_drafts(batch)
@@ -202,15 +208,17 @@ def test_empty_batch(fake_tp):
         assert cache.inverse_row_mapping.tolist() == [-1] * 4
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tp", [1, 2, 3])
-def test_oracle_all_ranks_in_process(fake_tp, tp):
-    """Every rank of a tp group, simulated in one process, agrees with the oracle of the dist script."""
+def test_oracle_all_ranks_in_process(fake_tp, tp, device):
+    """Every rank of a tp group, simulated in one process, agrees with the oracle of the dist script
+    (on CUDA the cache runs its compiled kernels)."""
     check = _load_script()
     steps = check.make_schedule(num_iters=30, seed=7 + tp)
     assert any(len(s.slots) for s in steps)
     for rank in range(tp):
         fake_tp(tp, rank)
-        errors = check.run_rank(tp, rank, torch.device("cpu"), steps, check_triton=(rank == 0))
+        errors = check.run_rank(tp, rank, torch.device(device), steps, check_triton=(rank == 0))
         assert errors == []
 
 

