@@ -84,6 +84,101 @@ def cmd_env(args) -> int:
     return 0
 
 
+# ---- compile ----------------------------------------------------------------------------------
+
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+                torch.int32: "i32", torch.uint8: "u8", torch.bool: "i1"}
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: records each launch's arguments instead of running it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def kernel_launches() -> list[tuple]:
+    """(kernel, arguments by name) of every launch the engine's Triton paths make on a small CPU batch:
+    the draft-logits cache (assign, stale drafts) and the rejection sampler (with and without stale flags)."""
+    from minispec.distributed import TPGroup
+    from minispec.engine.input_batch import InputBatch
+    from minispec.spec_decode import draft_logits, rejection_sampler
+
+    names = {draft_logits: ("_assign_rows_kernel", "_stale_drafts_kernel"),
+             rejection_sampler: ("_rejection_sample_kernel",)}
+    recorders = {(m, n): _Recorder(getattr(m, n)) for m, ns in names.items() for n in ns}
+    saved = (draft_logits.FORCE_TRITON, draft_logits.get_tp_group)
+    try:
+        for (m, n), rec in recorders.items():
+            setattr(m, n, rec)
+        draft_logits.FORCE_TRITON = True
+        draft_logits.get_tp_group = lambda: TPGroup(2, 1)
+        cache = draft_logits.DraftLogitsCache(8, 3, 5, dtype=torch.float32, fill=0.0, device="cpu", sharded=True)
+        batch = InputBatch.build(["a", "b", "c"], np.array([4, 0, 6], dtype=np.int32), np.array([4, 1, 4]), "cpu")
+        cache.assign(batch.idx_mapping, batch.idx_mapping_np)
+        cache.stale_drafts(batch)
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(6, 50, generator=g)  # [num_logits, V]
+        cu = torch.tensor([0, 3, 6])
+        drafts = torch.tensor([1, 2, -1, 3, 4, -1])
+        params = (torch.tensor([1.0, 0.7]), torch.tensor([0, 5]), torch.tensor([1.0, 0.9]))
+        u, noise = torch.rand(2, 2, generator=g), torch.empty(2, 50).exponential_(generator=g)
+        for stale in (None, torch.zeros(6, dtype=torch.bool)):
+            rejection_sampler.rejection_sample(logits, logits + 1, drafts, stale, cu, *params, u, noise,
+                                               use_triton=True)
+    finally:
+        for (m, n), rec in recorders.items():
+            setattr(m, n, rec.kernel)
+        draft_logits.FORCE_TRITON, draft_logits.get_tp_group = saved
+    launches = []
+    for rec in recorders.values():
+        for args, kwargs in rec.calls:
+            launches.append((rec.kernel, {**dict(zip(rec.kernel.arg_names, args)), **kwargs}))
+    return launches
+
+
+def cmd_compile(args) -> int:
+    """Compile every Triton kernel for a CUDA target (PTX and cubin by Triton's own ptxas), no GPU needed:
+    the signatures are those of the launches the engine's code makes (kernel_launches)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minispec.spec_decode import rejection_sampler
+
+    if not isinstance(rejection_sampler._rejection_sample_kernel, triton.runtime.JITFunction):
+        report("compile", "needs TRITON_INTERPRET unset (the kernels were built for the interpreter)")
+        return 1
+    target = GPUTarget("cuda", args.arch, 32)
+    ok = True
+    for kernel, named in kernel_launches():
+        const_idx = set(kernel.constexprs)
+        signature, constexprs = {}, {}
+        for i, name in enumerate(kernel.arg_names):
+            value = named[name]
+            if i in const_idx or value is None:
+                signature[name], constexprs[name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[name] = "*" + TRITON_TYPES[value.dtype]
+            elif isinstance(value, bool):
+                signature[name] = "i1"
+            elif isinstance(value, int):
+                signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            else:
+                signature[name] = "fp32"
+        label = f"{kernel.fn.__name__}({', '.join(f'{k}={v}' for k, v in constexprs.items())})"
+        try:
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target)
+            report(f"compiled for sm_{args.arch}", f"{label}: cubin {len(compiled.asm['cubin'])} bytes")
+        except Exception as e:
+            ok = False
+            report(f"compile FAILED for sm_{args.arch}", f"{label}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    return 0 if ok else 1
+
+
 # ---- prepare ----------------------------------------------------------------------------------
 
 
@@ -351,6 +446,9 @@ def profile_steps(llm: LLM, device: torch.device, steps: int) -> dict:
     events = prof.events()
     if device.type == "cuda":
         gpu = [e for e in events if e.device_type == DeviceType.CUDA]
+        if not gpu:
+            return {"no CUDA events recorded (CUPTI unavailable?); aten ops per step":
+                    sum(e.name.startswith("aten::") for e in events) / steps}
         kernels = [e for e in gpu if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
         busy_us = sum(e.time_range.elapsed_us() for e in gpu)
         launches = sum(1 for e in events if "LaunchKernel" in e.name)
@@ -476,7 +574,7 @@ def cmd_overheads(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=["env", "prepare", "e2e", "tp", "overheads"])
+    p.add_argument("command", choices=["env", "compile", "prepare", "e2e", "tp", "overheads"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--target", default=SHIPPED_TARGET, help="the target checkpoint (default: the shipped draft)")
     p.add_argument("--draft", default=None, help="the draft checkpoint (prepare: where to write it)")
@@ -490,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="overheads: engine steps per measure")
     p.add_argument("--reps", type=int, default=50, help="timed repetitions (collectives, graph replays)")
     p.add_argument("--graph-ctx", type=int, default=256, help="overheads: context of the graph-captured forwards")
+    p.add_argument("--arch", type=int, default=90, help="compile: the CUDA compute capability (90: H100 / H200)")
     args = p.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
@@ -497,11 +596,11 @@ def main(argv: list[str] | None = None) -> int:
         args.out = args.out or args.draft
         if not args.out:
             p.error("prepare needs --out DIR")
-    elif args.command != "env" and not args.draft:
+    elif args.command not in ("env", "compile") and not args.draft:
         p.error(f"{args.command} needs --draft (e.g. the directory `prepare` wrote)")
     torch.manual_seed(0)
     np.random.seed(0)
-    return {"env": cmd_env, "prepare": cmd_prepare, "e2e": cmd_e2e, "tp": cmd_tp,
+    return {"env": cmd_env, "compile": cmd_compile, "prepare": cmd_prepare, "e2e": cmd_e2e, "tp": cmd_tp,
             "overheads": cmd_overheads}[args.command](args)
 
 

@@ -4,6 +4,7 @@
 # On a CUDA machine, within 8 minutes (each stage has a time budget, all of them GPU_CHECK_BUDGET_S = 460 s
 # at most), writes one log per stage and summary.txt to $OUT if it is set, else to ./gpu-check-out:
 #   env        versions, the device, whether the Triton kernels are compiled (JITFunction) or interpreted
+#   compile    (dry run only) every Triton kernel compiled for sm_90 with the engine's launch signatures
 #   prepare    an early-exit draft for the target: its first layer with its own embedding, norm and head
 #   tests      pytest -m cuda with TRITON_INTERPRET=0 (compiled kernels): rejection-sampler and draft-logits
 #              kernels vs their torch references, the sampler's chi-square, the engine's greedy == transformers
@@ -58,6 +59,7 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}  # Triton's default until 3.10, set to silence its warning
 if [ "$MODE" = gpu ] && compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --target "$WORK/site" .whl/*.whl >"$OUT_DIR/pip.log" 2>&1 \
     && export PYTHONPATH=$PYTHONPATH:$WORK/site || echo "gpu_check: installing .whl/ failed (see pip.log)"
@@ -90,6 +92,7 @@ run_tests() {
     mapfile -t ids < <("$PY" -m pytest -q --collect-only -p no:cacheprovider -m cuda tests 2>/dev/null \
       | grep '::' | sed -E 's/([[-])cuda([]-])/\1cpu\2/')
     echo "${#ids[@]} cpu twins of the cuda tests"
+    ((${#ids[@]} > 0)) || return 1
     TRITON_INTERPRET=1 "$PY" -m pytest -q -rs -p no:cacheprovider "${ids[@]}"
   fi
 }
@@ -128,6 +131,7 @@ stage() {
 export MODE PY
 export -f run_tests
 stage env 30 "$PY" "${CHECK[@]}" env --device "$DEV"
+[ "$MODE" = dry ] && stage compile 60 "$PY" "${CHECK[@]}" compile  # on a GPU the tests compile them for real
 stage prepare 60 "$PY" "${CHECK[@]}" prepare --target "$TARGET" --out "$DRAFT"
 stage tests 170 bash -c run_tests
 stage e2e 100 "$PY" "${CHECK[@]}" e2e --device "$DEV" --target "$TARGET" --draft "$DRAFT" "${E2E[@]}"
