@@ -250,8 +250,12 @@ def cmd_e2e(args) -> int:
         report(f"{dtype} target-only greedy == transformers",
                f"{equal}/{len(prompts)} prompts x {args.max_tokens} tokens; {note} ({ms_s:.2f} s)")
         del base
-        for name, draft in (("early-exit draft", args.draft), ("target as draft", args.target), ("ngram", "ngram")):
-            llm = LLM(args.target, draft=draft, num_speculative_tokens=args.k, adaptive_k=False, **common)
+        # At tp=1 the draft-logits cache is replicated and its kernels idle unless sharding is asked for.
+        runs = (("early-exit draft", args.draft, False), ("early-exit draft, sharded cache", args.draft, True),
+                ("target as draft", args.target, False), ("ngram", "ngram", False))
+        for name, draft, sharded in runs:
+            llm = LLM(args.target, draft=draft, num_speculative_tokens=args.k, adaptive_k=False,
+                      shard_draft_logits=sharded, **common)
             outs = llm.generate(prompts, greedy)
             m = aggregate_metrics(outs)
             equal, note = compare([o.token_ids for o in outs], ms, hf, prompts)
@@ -261,7 +265,7 @@ def cmd_e2e(args) -> int:
             report(f"{dtype} speculative ({name}, k={args.k}) greedy == target-only",
                    f"{equal}/{len(prompts)}; {note}; acceptance {m['acceptance_rate']:.3f}, mean accepted length "
                    f"{m['mean_accepted_length']:.2f}, per position {m['accepted_per_position']}")
-            if name == "early-exit draft":  # the rejection sampler's kernel inside the engine
+            if draft == args.draft:  # sampled: the rejection sampler's kernel inside the engine (greedy skips it)
                 sampled = [SamplingParams(temperature=0.8, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
                            for i in range(len(prompts))]
                 outs = llm.generate(prompts, sampled)

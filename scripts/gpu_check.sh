@@ -10,8 +10,9 @@
 #              kernels vs their torch references, the sampler's chi-square, the engine's greedy == transformers
 #              and chi-square (lossless) tests, on cuda
 #   e2e        the target (the shipped 30 MB draft checkpoint: a 3-layer Llama with the SmolLM2 tokenizer) in
-#              float32 and bfloat16: greedy vs transformers; speculative with the early-exit draft, the target
-#              itself and n-gram lookup, acceptance printed
+#              float32 and bfloat16: greedy vs transformers; speculative with the early-exit draft (also with a
+#              sharded draft-logits cache, whose kernels idle at tp=1 otherwise), the target itself and n-gram
+#              lookup, acceptance printed; T=0.8 runs the rejection-sampler kernel inside the engine
 #   tp-demo    scripts/tp_demo_gpu.sh at tp=1 (torchrun, bfloat16)
 #   torchrun   torchrun --nproc-per-node 1: minispec at tp=1 vs transformers, then nccl's collectives
 #   bench      python -m minispec.bench: target-only and speculative vs transformers generate and assisted
