@@ -29,8 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from minispec import LLM, SamplingParams  # noqa: E402
-from minispec.llm import aggregate_metrics  # noqa: E402
 from minispec.models.loader import load_hf_model  # noqa: E402
+from minispec.tools.metrics import aggregate  # noqa: E402
+from minispec.tools.prompts import load_prompt_set  # noqa: E402
 from minispec.utils import parse_dtype  # noqa: E402
 
 SHIPPED_TARGET = str(REPO / "minispec" / "drafts" / "smollm2-135m-instruct-draft")
@@ -47,10 +48,8 @@ def sync(device: torch.device) -> None:
 
 
 def prompt_ids(llm: LLM, num_prompts: int) -> list[list[int]]:
-    """The first num_prompts eval prompts, chat-templated by the target's tokenizer."""
-    from minispec.data import load_prompts
-
-    texts = load_prompts(split="eval", limit=num_prompts)
+    """The first num_prompts eval prompts (round-robin over categories), chat-templated by the target's tokenizer."""
+    texts, _ = load_prompt_set("eval", num_prompts)
     return [llm.encode(t, use_chat_template=True) for t in texts]
 
 
@@ -257,7 +256,7 @@ def cmd_e2e(args) -> int:
             llm = LLM(args.target, draft=draft, num_speculative_tokens=args.k, adaptive_k=False,
                       shard_draft_logits=sharded, **common)
             outs = llm.generate(prompts, greedy)
-            m = aggregate_metrics(outs)
+            m = aggregate(outs)
             equal, note = compare([o.token_ids for o in outs], ms, hf, prompts)
             ok &= equal == len(prompts) or not strict
             if name == "target as draft" and strict:
@@ -269,7 +268,7 @@ def cmd_e2e(args) -> int:
                 sampled = [SamplingParams(temperature=0.8, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
                            for i in range(len(prompts))]
                 outs = llm.generate(prompts, sampled)
-                m = aggregate_metrics(outs)
+                m = aggregate(outs)
                 vocab = llm.target.vocab_size
                 valid = all(len(o.token_ids) == args.max_tokens and all(0 <= t < vocab for t in o.token_ids)
                             for o in outs)
@@ -305,7 +304,7 @@ def cmd_tp(args) -> int:
     hf.to(device)
     equal, note = compare([o.token_ids for o in outs], [hf_greedy(hf, p, args.max_tokens) for p in prompts], hf,
                           prompts)
-    m = aggregate_metrics(outs)
+    m = aggregate(outs)
     report("torchrun tp=1 speculative greedy == transformers",
            f"{equal}/{len(prompts)}; {note}; acceptance {m['acceptance_rate']:.3f} "
            f"(minispec at world size 1 joins no process group: its collectives are no-ops)")
