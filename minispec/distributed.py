@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import pickle
 import re
 from dataclasses import dataclass
 
@@ -92,6 +93,17 @@ class TPGroup:
             except RuntimeError as e:
                 raise _collective_failed("broadcast", e) from e
         return x
+
+    def broadcast_object(self, obj=None, src: int = 0):
+        """Rank src's picklable obj on every rank (others pass None): one size, then one byte broadcast."""
+        if self.world_size == 1:
+            return obj
+        data = pickle.dumps(obj) if self.rank_in_group == src else b""
+        size = self.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=self.device), src)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)  # [num_bytes]
+        if self.rank_in_group == src:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return pickle.loads(self.broadcast(buf, src).cpu().numpy().tobytes())
 
 
 _TP_GROUP = TPGroup()

@@ -10,11 +10,8 @@ import time
 DEFAULT_PROMPT = "Give me three tips for writing clear technical documentation."
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m minispec.generate",
-        description="Generate text with speculative decoding (draft proposes, target verifies).",
-    )
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and speculation flags (shared with python -m minispec.serve)."""
     p.add_argument("--target", default=None, help="target model: alias, HF dir, .gguf file or hub id "
                    "(default: smollm2-135m-instruct)")
     p.add_argument("--draft", default=None, help="draft model (same forms as --target), 'ngram' for prompt "
@@ -24,6 +21,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculation length per step from running acceptance and measured costs; turns "
                         "speculation off where it does not pay (default: on with the shipped draft, off with --draft)")
     p.add_argument("--ngram-max", type=int, default=3, help="largest n-gram matched by --draft ngram")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--draft-dtype", default=None, help="the draft model's dtype (default: --dtype)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m minispec.generate",
+        description="Generate text with speculative decoding (draft proposes, target verifies).",
+    )
+    add_model_args(p)
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     p.add_argument("--prompt-file", default=None, help="a file of prompts: one per line, or a JSON list of strings")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
@@ -34,13 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="per-request seed (request i gets seed + i)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun)")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--draft-dtype", default=None, help="the draft model's dtype (default: --dtype)")
     p.add_argument("--stream", action="store_true", help="print text as tokens are accepted")
     p.add_argument("--output-json", default=None, metavar="FILE", help="write one object per prompt")
     return p
@@ -73,19 +78,36 @@ def read_prompts(args, parser) -> list[str]:
     return prompts
 
 
-def check_args(args, parser) -> None:
-    """parser.error (exit 2, one line) on sizes that make no sense, before anything loads."""
+def check_model_args(args, parser) -> None:
+    """parser.error (exit 2, one line) on model sizes that make no sense, before anything loads."""
     for flag, value, low in (("--tp", args.tp, 1), ("--max-num-seqs", args.max_num_seqs, 1),
                              ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
                              ("--max-model-len", args.max_model_len, 2)):
         if value is not None and value < low:
             parser.error(f"{flag} must be >= {low}, got {value}")
+
+
+def check_args(args, parser) -> None:
+    """parser.error (exit 2, one line) on sizes or paths that make no sense, before anything loads."""
+    check_model_args(args, parser)
     if args.output_json:
         folder = os.path.dirname(os.path.abspath(args.output_json))
         if not os.path.isdir(folder):
             parser.error(f"--output-json: folder not found: {folder}")
         if os.path.isdir(args.output_json):
             parser.error(f"--output-json: {args.output_json} is a folder")
+
+
+def build_llm(args):
+    """The LLM the model and speculation flags describe (ValueError, one line, on a bad model or size)."""
+    from minispec.llm import DEFAULT_DRAFT, DEFAULT_TARGET, LLM
+
+    return LLM(target=args.target or DEFAULT_TARGET,
+               draft=None if args.draft == "none" else args.draft or DEFAULT_DRAFT,
+               num_speculative_tokens=args.num_speculative_tokens, tensor_parallel_size=args.tp,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len,
+               ngram_n=(args.ngram_min, args.ngram_max), adaptive_k=args.adaptive_k)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,16 +138,10 @@ def run(args, parser, prompts: list[str]) -> int:
     except ValueError as e:
         parser.error(str(e))
 
-    from minispec.llm import DEFAULT_DRAFT, DEFAULT_TARGET, LLM
     from minispec.tools.metrics import aggregate
 
     try:
-        llm = LLM(target=args.target or DEFAULT_TARGET,
-                  draft=None if args.draft == "none" else args.draft or DEFAULT_DRAFT,
-                  num_speculative_tokens=args.num_speculative_tokens, tensor_parallel_size=args.tp,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len,
-                  ngram_n=(args.ngram_min, args.ngram_max), adaptive_k=args.adaptive_k)
+        llm = build_llm(args)
         for p in prompts:  # reject bad prompts before any work starts
             ids = llm.encode(p, args.chat)
             if len(ids) >= llm.engine.config.max_model_len:

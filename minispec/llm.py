@@ -62,10 +62,15 @@ def encode_text(tokenizer, text: str, use_chat_template: bool, name: str) -> lis
         raise ValueError(f"{name} has no tokenizer: give prompts as lists of token ids")
     if not use_chat_template:
         return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode_chat(tokenizer, [{"role": "user", "content": text}], name)
+
+
+def encode_chat(tokenizer, messages: list[dict], name: str) -> list[int]:
+    """Token ids of a conversation ([{"role", "content"}]) in the model's chat template, ending with the
+    assistant's generation prompt; name: the model's."""
     if not has_chat_template(tokenizer):
         raise ValueError(f"{name} has no chat template; use use_chat_template=False")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -172,6 +177,10 @@ class LLM:
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
             raise ValueError("a prompt must be a string or a list of integer token ids")
         return [int(t) for t in ids]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation ([{"role", "content"}]) in the target's chat template."""
+        return encode_chat(self.tokenizer, messages, self.target.name)
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

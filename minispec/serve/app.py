@@ -1,0 +1,264 @@
+"""The HTTP side: OpenAI-compatible routes on Starlette, each request handed to the one engine loop."""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from minispec.serve.engine_loop import EngineLoop, Update
+from minispec.serve.metrics import ServerMetrics
+from minispec.serve.protocol import APIError, Job, parse_job, parse_json
+from minispec.serve.text import TextStream
+
+MAX_BODY_BYTES = 1 << 20  # larger bodies get 413
+RETRY_AFTER_S = 1  # what a 429 asks the client to wait
+
+
+def error_response(e: APIError) -> Response:
+    return Response(e.body(), status_code=e.status, media_type="application/json", headers=e.headers)
+
+
+class OpenAIServer:
+    """The routes over one LLM: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+
+    max_queue: requests admitted beyond the engine's slots (max_num_seqs) before answering 429.
+    api_key: if set, /v1 routes need "Authorization: Bearer <api_key>" (else 401).
+    """
+
+    def __init__(self, llm, model_name: str, max_queue: int = 128, api_key: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES):
+        self.llm = llm
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.max_in_flight = llm.engine.config.max_num_seqs + max_queue
+        self.in_flight = 0  # admitted requests not yet answered (event-loop thread only)
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(model_name, llm.num_speculative_tokens)
+        self.loop = EngineLoop(llm, self.metrics)
+        self._uvicorn: uvicorn.Server | None = None
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+        handlers = {APIError: self._api_error, HTTPException: self._http_error, Exception: self._server_error}
+        self.app = Starlette(routes=routes, exception_handlers=handlers)
+
+    # ---- running --------------------------------------------------------------------------
+    def run(self, sock) -> None:
+        """Serve on a bound socket until shutdown() or a signal; starts and stops the engine loop."""
+        self.loop.start()
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        self._uvicorn = uvicorn.Server(config)
+        try:
+            self._uvicorn.run(sockets=[sock])
+        finally:
+            self.loop.stop()
+
+    def shutdown(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+
+    @property
+    def started(self) -> bool:
+        return self._uvicorn is not None and self._uvicorn.started
+
+    # ---- routes ---------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if not self.loop.alive:
+            raise APIError(503, self.loop.error or "the engine loop is not running", type="server_error")
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> Response:
+        self._check_key(request)
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minispec",
+                "max_model_len": self.llm.engine.config.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    # ---- generation -----------------------------------------------------------------------
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        self._check_key(request)
+        job = parse_job(parse_json(await self._read_body(request)), chat, self.llm, self.model_name)
+        if not self.loop.alive:
+            raise APIError(503, self.loop.error or "the engine loop is not running", type="server_error")
+        if self.in_flight >= self.max_in_flight:
+            raise APIError(429, f"the server is full ({self.in_flight} requests in flight); retry later",
+                           type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        updates: asyncio.Queue[Update] = asyncio.Queue()
+        event_loop = asyncio.get_running_loop()
+
+        def sink(update: Update) -> None:  # called in the engine thread
+            try:
+                event_loop.call_soon_threadsafe(updates.put_nowait, update)
+            except RuntimeError:  # the event loop has closed (shutdown): nobody waits for this request
+                pass
+
+        self.in_flight += 1
+        self.loop.submit(req_id, job.prompt_ids, job.params, sink)
+        if job.stream:
+            return StreamingResponse(self._events(req_id, job, updates), media_type="text/event-stream")
+        return await self._answer(request, req_id, job, updates)
+
+    async def _answer(self, request: Request, req_id: str, job: Job, updates: asyncio.Queue) -> Response:
+        """Wait for the whole answer; a client that disconnects meanwhile aborts the request."""
+        text = TextStream(self.llm.decode, job.stop)
+        pieces, last = [], Update([])
+        collect = asyncio.ensure_future(self._collect(text, updates, pieces))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                return Response(status_code=499)  # nobody reads it
+            last = collect.result()
+        finally:
+            collect.cancel()
+            gone.cancel()
+            self._release(req_id, last, text)
+        if last.finish_reason in ("error", "abort"):
+            raise APIError(500, last.error or "the request was aborted", type="server_error")
+        finish = "stop" if text.stopped else last.finish_reason
+        content = "".join(pieces)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                   "finish_reason": finish} if job.chat else
+                  {"index": 0, "text": content, "logprobs": None, "finish_reason": finish})
+        return JSONResponse({**self._head(req_id, job, stream=False), "choices": [choice],
+                             "usage": _usage(job, text), "spec_decode": _spec(last)})
+
+    @staticmethod
+    async def _collect(text: TextStream, updates: asyncio.Queue, pieces: list[str]) -> Update:
+        """Take updates until the request ends (or hits a stop string); returns the last."""
+        while True:
+            u = await updates.get()
+            pieces.append(text.add(u.new_token_ids))
+            if u.finish_reason is not None or text.stopped:
+                pieces.append(text.finish())
+                return u
+
+    async def _events(self, req_id: str, job: Job, updates: asyncio.Queue):
+        """Server-sent events, one per engine step that gave text; a disconnect cancels this (and aborts)."""
+        text = TextStream(self.llm.decode, job.stop)
+        head = self._head(req_id, job, stream=True)
+        last = Update([])
+        try:
+            if job.chat:
+                yield _event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]})
+            while True:
+                last = await updates.get()
+                if last.finish_reason in ("error", "abort"):
+                    error = APIError(500, last.error or "the request was aborted", type="server_error")
+                    yield f"data: {error.body().decode()}\n\n"
+                    break
+                delta = text.add(last.new_token_ids)
+                done = last.finish_reason is not None or text.stopped
+                if done:
+                    delta += text.finish()
+                if not delta and not done:
+                    continue
+                finish = ("stop" if text.stopped else last.finish_reason) if done else None
+                part = {"content": delta} if job.chat else {"text": delta}
+                choice = {"index": 0, **({"delta": part} if job.chat else part), "logprobs": None,
+                          "finish_reason": finish}
+                chunk = {**head, "choices": [choice]}
+                if done:
+                    chunk["spec_decode"] = _spec(last)
+                yield _event(chunk)
+                if done:
+                    break
+            if job.include_usage and last.finish_reason not in ("error", "abort"):
+                yield _event({**head, "choices": [], "usage": _usage(job, text)})
+            yield "data: [DONE]\n\n"
+        finally:
+            self._release(req_id, last, text)
+
+    def _release(self, req_id: str, last: Update, text: TextStream) -> None:
+        """The request's answer is over: abort it in the engine unless it ended there, and free its place."""
+        if last.finish_reason is None:  # a stop string, or the client left
+            self.loop.abort(req_id)
+        self.in_flight -= 1
+
+    def _head(self, req_id: str, job: Job, stream: bool) -> dict:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if job.chat else "text_completion"
+        return {"id": req_id, "object": kind, "created": int(time.time()), "model": self.model_name}
+
+    # ---- checks ---------------------------------------------------------------------------
+    def _check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def _read_body(self, request: Request) -> bytes:
+        too_big = APIError(413, f"the body is over {self.max_body_bytes} bytes")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise too_big
+        return bytes(body)
+
+    # ---- errors ---------------------------------------------------------------------------
+    async def _api_error(self, request: Request, e: APIError) -> Response:
+        return error_response(e)
+
+    async def _http_error(self, request: Request, e: HTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return error_response(APIError(e.status_code, message, type=kind, headers=e.headers))
+
+    async def _server_error(self, request: Request, e: Exception) -> Response:
+        line = str(e).splitlines()[0] if str(e) else ""
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {line}", type="server_error"))
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body must have been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _usage(job: Job, text: TextStream) -> dict:
+    n = len(text.token_ids)
+    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n, "total_tokens": len(job.prompt_ids) + n}
+
+
+def _spec(last: Update) -> dict:
+    """The extension field: the request's speculation counters and the rates they give."""
+    s = dict(last.spec)
+    if s:
+        s["acceptance_rate"] = s["num_accepted_tokens"] / s["num_draft_tokens"] if s["num_draft_tokens"] else 0.0
+        s["mean_accepted_length"] = 1 + s["num_accepted_tokens"] / s["num_drafts"] if s["num_drafts"] else 1.0
+    return s

@@ -1,0 +1,279 @@
+"""python -m minispec.serve: the OpenAI API through the official openai client, under load and faults."""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from minispec.tools.tiny import make_tiny_char_model_dir
+
+openai = pytest.importorskip("openai")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    target = make_tiny_char_model_dir(str(tmp_path_factory.mktemp("serve_target")))
+    draft = make_tiny_char_model_dir(str(tmp_path_factory.mktemp("serve_draft")), seed=1, num_hidden_layers=1)
+    return target, draft
+
+
+@contextmanager
+def serving(target, draft, k=3, max_num_seqs=16, **server_kw):
+    """An in-process server on 127.0.0.1 and a free port; yields (server, base url)."""
+    from minispec.llm import LLM
+    from minispec.serve.app import OpenAIServer
+
+    llm = LLM(target=target, draft=draft, num_speculative_tokens=k, max_num_seqs=max_num_seqs)
+    server = OpenAIServer(llm, "tiny", **server_kw)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, args=(sock,), daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    try:
+        yield server, f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        server.shutdown()
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs):
+    with serving(*model_dirs) as s:
+        yield s
+
+
+def http(url, method, path, body=b"", headers=None):
+    """A raw request (stdlib http.client): (status, headers, text)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    try:
+        conn.request(method, u.path.rstrip("/") + path, body=body,
+                     headers={"content-type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode()
+    finally:
+        conn.close()
+
+
+def client(url, **kw):
+    return openai.OpenAI(base_url=url, api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw)
+
+
+def engine_state(server) -> dict:
+    """What the engine holds, read in the engine thread between steps."""
+    def read(engine):
+        s = engine.scheduler
+        return {"requests": len(engine.requests), "running": len(s.running), "waiting": len(s.waiting),
+                "free_slots": sorted(s.free_slots)}
+    return server.loop.call(read).result(30)
+
+
+def idle_state(max_num_seqs=16):
+    return {"requests": 0, "running": 0, "waiting": 0, "free_slots": list(range(max_num_seqs))}
+
+
+def wait_idle(server, max_num_seqs=16):
+    """The engine state once nothing runs (bounded wait: aborts land between steps)."""
+    for _ in range(100):
+        state = engine_state(server)
+        if state == idle_state(max_num_seqs):
+            break
+        time.sleep(0.05)
+    return state
+
+
+def test_models_completion_and_chat(server):
+    srv, url = server
+    c = client(url)
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    out = c.completions.create(model="tiny", prompt="Hello there", max_tokens=7, temperature=0, seed=1,
+                               extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text
+    assert out.usage.completion_tokens == 7
+    assert out.usage.prompt_tokens == len(srv.llm.encode("Hello there", False))
+    spec = out.model_extra["spec_decode"]
+    assert spec["num_draft_tokens"] >= spec["num_accepted_tokens"] >= 0 and spec["num_drafts"] >= 1
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    chat = c.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert chat.usage.prompt_tokens == len(srv.llm.encode_chat(messages))  # the chat template was applied
+    status, _, text = http(url.rsplit("/v1", 1)[0], "GET", "/health")
+    assert status == 200 and json.loads(text) == {"status": "ok"}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_equals_non_streaming_and_seeds_reproduce(server, chat):
+    _, url = server
+    c = client(url)
+    kw = dict(model="tiny", max_tokens=12, temperature=0.8, extra_body={"ignore_eos": True, "top_k": 8})
+
+    def run(seed, stream):
+        if chat:
+            call = lambda **a: c.chat.completions.create(messages=[{"role": "user", "content": "Tell a story"}], **a)
+        else:
+            call = lambda **a: c.completions.create(prompt="Once upon a time", **a)
+        if not stream:
+            out = call(seed=seed, **kw)
+            return out.choices[0].message.content if chat else out.choices[0].text, out.choices[0].finish_reason
+        text, finish = "", None
+        for chunk in call(seed=seed, stream=True, **kw):
+            part = chunk.choices[0].delta.content if chat else chunk.choices[0].text
+            text += part or ""
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    a, b, streamed = run(7, False), run(7, False), run(7, True)
+    assert a == b == streamed and a[1] == "length"
+    assert run(8, False)[0] != a[0]
+
+
+def test_stop_string_inside_an_accepted_draft_run(model_dirs):
+    """The target drafting for itself: every draft is accepted, each step gives k + 1 = 4 tokens. A stop
+    string that ends inside the second step's run cuts the text there and drops the run's later tokens."""
+    target, _ = model_dirs
+    with serving(target, target, k=3) as (srv, url):
+        c = client(url)
+        kw = dict(model="tiny", prompt="Why?", max_tokens=12, temperature=0,
+                  extra_body={"ignore_eos": True})
+        steps = [ch.choices[0].text for ch in c.completions.create(stream=True, **kw)]
+        # One character per token; the prefill step samples 1 token, then each step accepts 3 drafts + 1.
+        assert [len(s) for s in steps] == [1, 4, 4, 3]
+        full, before, run = "".join(steps), steps[0] + steps[1], steps[2]
+        stop = next(run[:n] for n in range(1, 4) if full.find(run[:n]) == len(before))
+        out = c.completions.create(stop=[stop, "never"], **kw)
+        assert out.choices[0].text == before and out.choices[0].finish_reason == "stop"
+        # Counted up to the token that completed the stop string; the run's later tokens are dropped.
+        assert out.usage.completion_tokens == len(before) + len(stop) < 9
+        spec = out.model_extra["spec_decode"]
+        assert spec["num_accepted_tokens"] == spec["num_draft_tokens"] > 0
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, stop=stop, **kw))
+        assert streamed == before
+        assert wait_idle(srv) == idle_state()
+
+
+def test_bad_input_gets_one_line_openai_errors_and_the_server_keeps_serving(server):
+    srv, url = server
+    ctx = srv.llm.engine.config.max_model_len
+    cases = [
+        (b'{"prompt": "hi", ', 400, None),  # malformed JSON
+        (b'[1, 2]', 400, None),
+        ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+        ({"prompt": "hi", "stop": 5}, 400, "stop"),
+        ({"prompt": {"text": "hi"}}, 400, "prompt"),
+        ({"prompt": list(range(ctx + 10))}, 400, "prompt"),  # longer than the context
+        ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+        ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+        (b'{"prompt": "' + b"x" * (1 << 20) + b'"}', 413, None),  # over the body limit
+    ]
+    for body, status, param in cases:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        got, _, text = http(url, "POST", "/completions", content)
+        assert got == status, (content[:60], text)
+        assert text.count("\n") == 0
+        err = json.loads(text)["error"]
+        assert err["message"] and err["type"] and err["param"] == param, text
+    for messages in ("hi", [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 3}]):
+        got, _, text = http(url, "POST", "/chat/completions", json.dumps({"messages": messages}).encode())
+        assert got == 400 and json.loads(text)["error"]["param"] == "messages", text
+    assert http(url, "GET", "/nowhere")[0] == 404 and http(url, "GET", "/completions")[0] == 405
+    with pytest.raises(openai.NotFoundError):  # the real client raises its own error classes
+        client(url).completions.create(model="gpt-4", prompt="hi")
+    out = client(url).completions.create(model="tiny", prompt="still here?", max_tokens=3)
+    assert out.usage.completion_tokens >= 1
+    assert wait_idle(srv) == idle_state()
+
+
+def test_api_key_and_bounded_queue(model_dirs):
+    """2 slots + a queue of 1: a fourth request in flight gets 429 with Retry-After; no key gets 401."""
+    with serving(*model_dirs, max_num_seqs=2, max_queue=1, api_key="sekret") as (srv, url):
+        with pytest.raises(openai.AuthenticationError):
+            client(url).completions.create(model="tiny", prompt="hi", max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            client(url, api_key="wrong").models.list()
+        c = client(url, api_key="sekret")
+        kw = dict(model="tiny", prompt="Go on and on", max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+        streams = [c.completions.create(**kw) for _ in range(3)]  # 2 running, 1 waiting
+        status, headers, text = http(url, "POST", "/completions", b'{"prompt": "one more", "max_tokens": 2}',
+                                     {"authorization": "Bearer sekret"})
+        assert status == 429 and headers["retry-after"] == "1", text
+        assert json.loads(text)["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            c.completions.create(model="tiny", prompt="one more", max_tokens=2)
+        for s in streams:
+            next(iter(s))
+            s.close()  # the clients leave: their requests are aborted
+        assert wait_idle(srv, 2) == idle_state(2)
+        assert c.completions.create(model="tiny", prompt="now", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_64_streams_with_disconnects(server):
+    """64 concurrent streaming clients, every fifth (13) dropping after two chunks: the rest finish with
+    finish_reason "length" and exactly the text of a non-streamed run with the same seed; afterwards
+    no request, slot or draft-logits row is held and /metrics agrees."""
+    from minispec.serve.load import drive, metric
+
+    srv, url = server
+    before = srv.metrics.render().decode()
+    got = asyncio.run(drive(url, "tiny", range(64), 64, max_tokens=24, drop_every=5))
+    assert not [r.error for r in got if r.error]
+    dropped = [r for r in got if r.disconnected]
+    done = [r for r in got if not r.disconnected]
+    assert len(dropped) == 13 and len(done) == 51
+    assert all(r.finish_reason == "length" and r.completion_tokens == 24 for r in done)
+    assert wait_idle(srv) == idle_state()  # every slot is free again
+    # The draft-logits rows of a replicated cache are the slots; all 16 serve a full batch again:
+    ref = asyncio.run(drive(url, "tiny", [r.index for r in done], 16, max_tokens=24, stream=False))
+    assert [r.text for r in ref] == [r.text for r in done]
+    after = srv.metrics.render().decode()
+    delta = lambda name, label="": metric(after, name, label) - metric(before, name, label)
+    assert delta("vllm:request_success_total", 'finished_reason="abort"') == 13
+    assert delta("vllm:request_success_total", 'finished_reason="length"') == 51 * 2
+    assert metric(after, "vllm:num_requests_running") == metric(after, "vllm:num_requests_waiting") == 0
+    assert delta("vllm:generation_tokens_total") >= 51 * 2 * 24 + 13 * 2
+    drafts = delta("vllm:spec_decode_num_drafts_total")
+    per_pos = [delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", f'position="{j}"') for j in range(3)]
+    assert drafts > 0 and drafts >= per_pos[0] >= per_pos[1] >= per_pos[2]
+    assert sum(per_pos) == delta("vllm:spec_decode_num_accepted_tokens_total")
+    assert delta("vllm:time_to_first_token_seconds_count") == 64 + 51
+
+
+def test_cli_serves_and_keeps_rss_flat(model_dirs, tmp_path):
+    """The users' path: python -m minispec.serve, driven by the load script (400 requests, 20% dropped)."""
+    target, draft = model_dirs
+    out = tmp_path / "load.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "minispec.serve.load", "--requests", "400", "--json", str(out),
+                        "--target", target, "--draft", draft, "-k", "3"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    f = json.loads(out.read_text())
+    assert f["errors"] == 0 and f["warmup_errors"] == 0 and f["disconnects"] == 80
+    assert f["running_after"] == f["waiting_after"] == 0
+    assert f["throughput_same_text"]
+    assert f["rss_after_mib"] - f["rss_before_mib"] < 24, f  # flat: no per-request growth
+    assert f["server_exit_code"] == 0  # SIGTERM: a graceful stop
