@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             follow(llm)
+            print(f"[minispec] rank {os.environ.get('RANK')}: stopped with rank 0", flush=True)
             return 0
         from minispec.serve.app import OpenAIServer
 

@@ -105,9 +105,13 @@ def metric(text: str, name: str, label: str = "") -> float:
     return total
 
 
-def start_server(server_args: list[str], timeout: float = 300) -> tuple[subprocess.Popen, str, str]:
-    """python -m minispec.serve on a free port; returns (process, base url, model name) once it listens."""
-    cmd = [sys.executable, "-m", "minispec.serve", "--port", "0", *server_args]
+def start_server(server_args: list[str], nproc: int = 1, timeout: float = 300
+                 ) -> tuple[subprocess.Popen, str, str]:
+    """python -m minispec.serve on a free port (under torchrun with nproc > 1 ranks); returns (process,
+    base url, model name) once it listens. The process's output stays readable on proc.stdout."""
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  f"--nproc-per-node={nproc}"]
+    cmd = [*launch, "-m", "minispec.serve", "--port", "0", *server_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout
     lines = []
@@ -151,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drop-every", type=int, default=5, help="drop every n-th stream mid-way (5: 20%%)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--throughput-tokens", type=int, default=32, help="max_tokens of the 16 + 16 throughput requests")
+    p.add_argument("--tp", type=int, default=1, help="serve under torchrun with this many ranks")
     p.add_argument("--json", default=None, help="also write the figures here")
     args, server_args = p.parse_known_args(argv)
-    proc, url, model = start_server(server_args)
+    proc, url, model = start_server(server_args + ["--tp", str(args.tp)], nproc=args.tp)
     figures = {}
     try:
         wait_ready(url)
