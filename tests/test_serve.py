@@ -72,8 +72,8 @@ def http(url, method, path, body=b"", headers=None):
         conn.close()
 
 
-def client(url, **kw):
-    return openai.OpenAI(base_url=url, api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw)
+def client(url, api_key="none", timeout=120):
+    return openai.OpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=timeout)
 
 
 def engine_state(server) -> dict:
@@ -229,6 +229,16 @@ def test_api_key_and_bounded_queue(model_dirs):
             s.close()  # the clients leave: their requests are aborted
         assert wait_idle(srv, 2) == idle_state(2)
         assert c.completions.create(model="tiny", prompt="now", max_tokens=2).usage.completion_tokens >= 1
+        # A non-streaming client that gives up: its request is aborted, not run to its 500 tokens.
+        from minispec.serve.load import metric
+
+        aborted = lambda: metric(srv.metrics.render().decode(), "vllm:request_success_total", 'reason="abort"')
+        before = aborted()
+        with pytest.raises(openai.APITimeoutError):
+            client(url, api_key="sekret", timeout=0.5).completions.create(
+                model="tiny", prompt="long", max_tokens=500, extra_body={"ignore_eos": True})
+        assert wait_idle(srv, 2) == idle_state(2)
+        assert aborted() == before + 1
 
 
 def test_64_streams_with_disconnects(server):

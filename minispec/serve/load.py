@@ -184,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             load_s=round(load_s, 2), rss_before_mib=round(rss_before, 1), rss_after_mib=round(rss_after, 1),
         )
         seq_t0 = time.perf_counter()
-        seq = [asyncio.run(drive(url, model, [10_000 + i], 1, args.throughput_tokens, stream=False))[0]
-               for i in range(16)]
+        seq = asyncio.run(drive(url, model, range(10_000, 10_016), 1, args.throughput_tokens, stream=False))
         seq_s = time.perf_counter() - seq_t0
         conc_t0 = time.perf_counter()
         conc = asyncio.run(drive(url, model, range(10_000, 10_016), 16, args.throughput_tokens, stream=False))
