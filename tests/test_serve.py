@@ -167,6 +167,12 @@ def test_stop_string_inside_an_accepted_draft_run(model_dirs):
         streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, stop=stop, **kw))
         assert streamed == before
         assert wait_idle(srv) == idle_state()
+        from minispec.serve.load import metric
+
+        text = srv.metrics.render().decode()
+        count = lambda reason: metric(text, "vllm:request_success_total", f'finished_reason="{reason}"')
+        # A stop string counts as "stop" (not "abort"); "length" if the engine reached max_tokens first.
+        assert count("stop") >= 1 and count("stop") + count("length") == 3 and count("abort") == 0
 
 
 def test_bad_input_gets_one_line_openai_errors_and_the_server_keeps_serving(server):

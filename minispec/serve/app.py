@@ -41,7 +41,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_in_flight = llm.engine.config.max_num_seqs + max_queue
-        self.in_flight = 0  # admitted requests not yet answered (event-loop thread only)
+        self.open: set[str] = set()  # ids of admitted requests not yet answered (event-loop thread only)
         self.created = int(time.time())
         self.metrics = ServerMetrics(model_name, llm.num_speculative_tokens)
         self.loop = EngineLoop(llm, self.metrics)
@@ -102,8 +102,8 @@ class OpenAIServer:
         job = parse_job(parse_json(await self._read_body(request)), chat, self.llm, self.model_name)
         if not self.loop.alive:
             raise APIError(503, self.loop.error or "the engine loop is not running", type="server_error")
-        if self.in_flight >= self.max_in_flight:
-            raise APIError(429, f"the server is full ({self.in_flight} requests in flight); retry later",
+        if len(self.open) >= self.max_in_flight:
+            raise APIError(429, f"the server is full ({len(self.open)} requests in flight); retry later",
                            type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -116,10 +116,10 @@ class OpenAIServer:
             except RuntimeError:  # the event loop has closed (shutdown): nobody waits for this request
                 pass
 
-        self.in_flight += 1
+        self.open.add(req_id)
         self.loop.submit(req_id, job.prompt_ids, job.params, sink)
         if job.stream:
-            return StreamingResponse(self._events(req_id, job, updates), media_type="text/event-stream")
+            return EventStream(self._events(req_id, job, updates), on_close=lambda: self._release(req_id))
         return await self._answer(request, req_id, job, updates)
 
     async def _answer(self, request: Request, req_id: str, job: Job, updates: asyncio.Queue) -> Response:
@@ -133,10 +133,12 @@ class OpenAIServer:
             if not collect.done():
                 return Response(status_code=499)  # nobody reads it
             last = collect.result()
+            if text.stopped:
+                self._release(req_id, "stop")
         finally:
             collect.cancel()
             gone.cancel()
-            self._release(req_id, last, text)
+            self._release(req_id)
         if last.finish_reason in ("error", "abort"):
             raise APIError(500, last.error or "the request was aborted", type="server_error")
         finish = "stop" if text.stopped else last.finish_reason
@@ -176,6 +178,8 @@ class OpenAIServer:
                 done = last.finish_reason is not None or text.stopped
                 if done:
                     delta += text.finish()
+                    if text.stopped:
+                        self._release(req_id, "stop")
                 if not delta and not done:
                     continue
                 finish = ("stop" if text.stopped else last.finish_reason) if done else None
@@ -192,13 +196,14 @@ class OpenAIServer:
                 yield _event({**head, "choices": [], "usage": _usage(job, text)})
             yield "data: [DONE]\n\n"
         finally:
-            self._release(req_id, last, text)
+            self._release(req_id)
 
-    def _release(self, req_id: str, last: Update, text: TextStream) -> None:
-        """The request's answer is over: abort it in the engine unless it ended there, and free its place."""
-        if last.finish_reason is None:  # a stop string, or the client left
-            self.loop.abort(req_id)
-        self.in_flight -= 1
+    def _release(self, req_id: str, reason: str = "abort") -> None:
+        """The request's answer is over (or its client left): free its place, and abort it in the engine
+        if it still runs there (reason "stop" after a stop string; a no-op once it ended). Idempotent."""
+        if req_id in self.open:
+            self.open.remove(req_id)
+            self.loop.abort(req_id, reason)
 
     def _head(self, req_id: str, job: Job, stream: bool) -> dict:
         kind = ("chat.completion.chunk" if stream else "chat.completion") if job.chat else "text_completion"
@@ -238,6 +243,20 @@ class OpenAIServer:
     async def _server_error(self, request: Request, e: Exception) -> Response:
         line = str(e).splitlines()[0] if str(e) else ""
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {line}", type="server_error"))
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; on_close runs however the response ends, even if cancelled before its first event."""
+
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 async def _disconnected(request: Request) -> None:

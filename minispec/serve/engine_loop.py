@@ -103,9 +103,12 @@ class EngineLoop:
         """Queue a request; sink(update) is called from the engine thread after each step that gave it tokens."""
         self._commands.put(("add", req_id, prompt_ids, params, sink, time.perf_counter()))
 
-    def abort(self, req_id: str) -> None:
-        """Stop a request before the next step (freeing its slot and draft-logits row); its sink hears no more."""
-        self._commands.put(("abort", req_id))
+    def abort(self, req_id: str, reason: str = "abort") -> None:
+        """Stop a request before the next step (freeing its slot and draft-logits row); its sink hears no more.
+
+        reason: what the metrics count it as ("stop" when the server found a stop string); a no-op once
+        the request has ended."""
+        self._commands.put(("abort", req_id, reason))
 
     def call(self, fn: Callable) -> concurrent.futures.Future:
         """Run fn(engine) in the engine thread between steps (to read its state safely); its result in a Future."""
@@ -161,9 +164,9 @@ class EngineLoop:
             elif kind == "abort":
                 live = self._live.pop(cmd[1], None)
                 if live is not None:
-                    engine_commands.append(cmd)
+                    engine_commands.append(cmd[:2])
                     if self.metrics is not None:
-                        self.metrics.observe_finish("abort", time.perf_counter() - live.arrival)
+                        self.metrics.observe_finish(cmd[2], time.perf_counter() - live.arrival)
             elif kind == "call":
                 calls.append(cmd)
             else:
