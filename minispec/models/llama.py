@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from minispec.distributed import TPGroup, get_tp_group
-from minispec.layers.attention import ForwardBatch, attend, causal_mask
+from minispec.layers.activation import silu_mul
+from minispec.layers.attention import AttentionMetadata, ForwardBatch, attention
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from minispec.layers.norm import RMSNorm
-from minispec.layers.rotary import RotaryEmbedding, apply_rotary, interleave_rope_rows
+from minispec.layers.rotary import RotaryEmbedding, interleave_rope_rows
 from minispec.models.errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -79,21 +80,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        freqs_cis: torch.Tensor,
-        mask: torch.Tensor,
-        batch: ForwardBatch,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        B, L, _ = h.shape
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(self.input_layernorm(h))  # [B, L, (nh + 2 nkv) * hd]
-        qk = apply_rotary(qkv[..., : (nh + nkv) * hd].view(B, L, nh + nkv, hd), freqs_cis)  # [B, L, nh + nkv, hd]
-        v = qkv[..., (nh + nkv) * hd :].view(B, L, nkv, hd)
-        attn = attend(qk[:, :, :nh], qk[:, :, nh:], v, k_cache, v_cache, batch, mask)  # [B, L, nh * hd]
-        h = h + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)  # [B, L, inter / tp] each
-        return h + self.down_proj(F.silu(gate) * up)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) -> (this block's MLP output, the residual stream before it); the stream is
+        h + residual (h alone at the first layer, residual None). Keeps the add beside the next norm."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        qkv = self.qkv_proj(x)  # [B, L, (nh + 2 nkv) * hd]
+        attn = attention(qkv, meta, k_cache, v_cache, self.num_heads)  # [B, L, nh * hd]
+        x, residual = self.post_attention_layernorm.add_forward(self.o_proj(attn), residual)
+        return self.down_proj(silu_mul(self.gate_up_proj(x))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -144,11 +145,11 @@ class LlamaForCausalLM(nn.Module):
         """Run every token of the batch, writing its K/V at (write_slots, positions); -> [B, L, hidden]."""
         h = self.embed_tokens(batch.input_ids)  # [B, L, hidden]
         freqs_cis = self.rotary(batch.positions)  # [B, L, 1, head_dim / 2]
-        groups = self.num_heads // self.num_kv_heads  # query heads per KV head
-        mask = causal_mask(batch.positions, batch.max_ctx, groups)  # [B, 1, groups * L, max_ctx]
+        meta = AttentionMetadata.build(batch, freqs_cis, kv.k[0], self.num_heads // self.num_kv_heads)
+        residual = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, freqs_cis, mask, batch, kv.k[i], kv.v[i])
-        return self.norm(h)
+            h, residual = layer(h, residual, meta, kv.k[i], kv.v[i])
+        return self.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """h [N, hidden] -> float32 logits [N, vocab_size] (gather) or this rank's shard

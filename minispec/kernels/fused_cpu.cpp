@@ -1,0 +1,217 @@
+// Fused float32 CPU kernels for the small ops of a decode step (layers/norm.py, layers/attention.py,
+// models/llama.py): each replaces several torch ops and their dispatch. Float32 in, float32
+// accumulation; only the rounding order differs from the torch references beside their callers.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 16;  // independent partial sums: the compiler vectorises these loops
+
+// exp(x) for x <= 0 (softmax) or any x (SiLU), about 1 ulp: Cody-Waite reduction and a degree-6
+// polynomial, written so that loops over it vectorise (no libm call).
+inline float exp_f32(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(n, -0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int64_t u = 0; u < LANES; ++u) acc[u] += a[i + u] * b[i + u];
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int64_t u = 0; u < LANES; ++u) s += acc[u];
+  return s;
+}
+
+inline float sum_f32(const float* a, int64_t n) {
+  float acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int64_t u = 0; u < LANES; ++u) acc[u] += a[i + u];
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i];
+  for (int64_t u = 0; u < LANES; ++u) s += acc[u];
+  return s;
+}
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name,
+              " must be a contiguous float32 CPU tensor");
+}
+
+// Rows per parallel chunk so that each chunk has at least ~32k values of work.
+inline int64_t grain(int64_t row_size) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_size, 1)); }
+
+}  // namespace
+
+// residual += x (when residual is given); out = residual / rms(residual) * weight. x, residual
+// [N, H] contiguous; returns out [N, H]. Without a residual: out = x / rms(x) * weight.
+torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  const int64_t H = x.size(-1), N = x.numel() / H;
+  TORCH_CHECK(weight.numel() == H, "weight has ", weight.numel(), " values, rows have ", H);
+  float* res = nullptr;
+  if (residual.has_value()) {
+    check_f32(*residual, "residual");
+    TORCH_CHECK(residual->numel() == x.numel(), "residual and x differ in size");
+    res = residual->data_ptr<float>();
+  }
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, grain(H), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* src = xp + n * H;
+      if (res) {
+        float* r = res + n * H;
+        for (int64_t i = 0; i < H; ++i) r[i] += src[i];
+        src = r;
+      }
+      const float inv = 1.0f / std::sqrt(dot(src, src, H) / static_cast<float>(H) + static_cast<float>(eps));
+      float* o = op + n * H;
+      for (int64_t i = 0; i < H; ++i) o[i] = src[i] * inv * w[i];
+    }
+  });
+  return out;
+}
+
+// gate_up [N, 2 I] (gate | up) -> silu(gate) * up [N, I].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, "gate_up");
+  const int64_t I2 = gate_up.size(-1), N = gate_up.numel() / I2, I = I2 / 2;
+  TORCH_CHECK(I2 % 2 == 0, "gate_up's last dim must be even");
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, gate_up.options());
+  const float* gu = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, grain(I2), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* g = gu + n * I2;
+      const float* u = g + I;
+      float* o = op + n * I;
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// One layer's attention for short queries, in one call:
+//  1. rotate q and k of every token by its (cos, sin) pairs (interleaved layout, layers/rotary.py),
+//     q in place in qkv, k straight into the cache; copy v into the cache. Token t writes cache row
+//     write_index[t] (= slot * max_len + position).
+//  2. each token's n_heads queries attend over keys 0..positions[t] of its request's slot
+//     read_slots[t / L] (key 0 always: padded tokens sit at position 0), softmax(q.k * scale) v;
+//     query head h reads KV head h / (n_heads / n_kv_heads).
+// qkv [T, (n_heads + 2 n_kv_heads) * head_dim], cos_sin [T, head_dim / 2, 2], caches
+// [num_slots + 1, max_len, n_kv_heads, head_dim], write_index / positions [T], read_slots [T / L]
+// int64. Returns [T, n_heads * head_dim].
+torch::Tensor rope_cache_attend(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor k_cache,
+                                torch::Tensor v_cache, torch::Tensor write_index, torch::Tensor positions,
+                                torch::Tensor read_slots, int64_t n_heads, int64_t n_kv_heads, double scale) {
+  check_f32(qkv, "qkv");
+  check_f32(cos_sin, "cos_sin");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  for (const auto* t : {&write_index, &positions, &read_slots})
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->device().is_cpu(),
+                "indices must be contiguous int64 CPU tensors");
+  const int64_t hd = k_cache.size(3), max_len = k_cache.size(1), rows = k_cache.size(0) * max_len;
+  const int64_t T = positions.numel(), B = read_slots.numel(), g = n_heads / n_kv_heads;
+  const int64_t width = (n_heads + 2 * n_kv_heads) * hd, kv_row = n_kv_heads * hd, half = hd / 2;
+  TORCH_CHECK(B > 0 && T % B == 0 && write_index.numel() == T, "T must be a multiple of B");
+  TORCH_CHECK(k_cache.size(2) == n_kv_heads && n_heads % n_kv_heads == 0 && hd % 2 == 0, "bad head counts");
+  TORCH_CHECK(qkv.numel() == T * width && cos_sin.numel() == T * hd, "qkv or cos_sin has the wrong size");
+  const int64_t L = T / B;
+  float* q = qkv.data_ptr<float>();
+  const float* cs = cos_sin.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t* wi = write_index.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* rs = read_slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(wi[t] >= 0 && wi[t] < rows, "write_index out of range");
+    float* row = q + t * width;
+    const float* c = cs + t * hd;
+    float* k_dst = kc + wi[t] * kv_row;
+    for (int64_t h = 0; h < n_heads + n_kv_heads; ++h) {
+      float* src = row + h * hd;
+      float* dst = h < n_heads ? src : k_dst + (h - n_heads) * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = src[2 * i], b = src[2 * i + 1], cos = c[2 * i], sin = c[2 * i + 1];
+        dst[2 * i] = a * cos - b * sin;
+        dst[2 * i + 1] = a * sin + b * cos;
+      }
+    }
+    std::memcpy(vc + wi[t] * kv_row, row + (n_heads + n_kv_heads) * hd, kv_row * sizeof(float));
+  }
+  auto out = torch::empty({T, n_heads * hd}, qkv.options());
+  float* op = out.data_ptr<float>();
+  int64_t max_keys = 1;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_len, "position out of range");
+    max_keys = std::max(max_keys, pos[t] + 1);
+  }
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rs[b] >= 0 && rs[b] < k_cache.size(0), "read slot out of range");
+  const float sc = static_cast<float>(scale);
+  // One unit = one token's g query heads on one KV head.
+  const int64_t units = T * n_kv_heads, unit_work = g * max_keys * hd;
+  at::parallel_for(0, units, std::max<int64_t>(1, 65536 / unit_work), [&](int64_t begin, int64_t end) {
+    std::vector<float> p(max_keys);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t t = u / n_kv_heads, kvh = u % n_kv_heads, n_keys = pos[t] + 1;
+      const int64_t base = (rs[t / L] * max_len) * kv_row + kvh * hd;
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t h = kvh * g + j;
+        const float* qh = q + t * width + h * hd;
+        float m = -INFINITY;
+        for (int64_t s = 0; s < n_keys; ++s) {
+          p[s] = dot(qh, kc + base + s * kv_row, hd) * sc;
+          m = std::max(m, p[s]);
+        }
+        for (int64_t s = 0; s < n_keys; ++s) p[s] = exp_f32(p[s] - m);
+        const float sum = sum_f32(p.data(), n_keys);
+        float* o = op + t * n_heads * hd + h * hd;
+        std::fill(o, o + hd, 0.f);
+        for (int64_t s = 0; s < n_keys; ++s) {
+          const float* v = vc + base + s * kv_row;
+          const float w = p[s];
+          for (int64_t d = 0; d < hd; ++d) o[d] += w * v[d];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) (or RMSNorm(x) without a residual)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over [.., gate | up]");
+  m.def("rope_cache_attend", &rope_cache_attend, "RoPE, KV cache write and attention for short queries");
+}

@@ -1,0 +1,70 @@
+"""The fused C++ CPU kernels (kernels/fused_cpu.cpp) against their torch references.
+
+Tolerances: float32 with a different rounding order, rtol 1e-5 / atol 1e-6 (attention atol 1e-5).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from minispec.kernels import fused_cpu
+from minispec.layers.activation import silu_mul
+from minispec.layers.attention import AttentionMetadata, ForwardBatch, attention, causal_mask
+from minispec.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(fused_cpu.ops() is None, reason="the fused C++ kernels could not be built")
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (3, 5, 64), (2, 37)])
+def test_add_rms_norm(shape):
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(shape, generator=g), torch.randn(shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g)
+    ops = fused_cpu.ops()
+    torch.testing.assert_close(ops.add_rms_norm(x, None, w, 1e-5), F.rms_norm(x, w.shape, w, 1e-5),
+                               rtol=1e-5, atol=1e-6)
+    ref_res = x + r
+    ref = F.rms_norm(ref_res, w.shape, w, 1e-5)
+    out = ops.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(r, ref_res), "the residual is updated in place with one rounding, as x + r"
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (4, 3, 34)])
+def test_silu_mul(shape):
+    gate_up = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 8
+    gate_up[..., 0] = 100.0  # saturated ends of the exp
+    gate_up[..., 1] = -100.0
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (4, 4, 16), (4, 1, 24)])
+@pytest.mark.parametrize("slots,starts,lens", [
+    ([0], [40], [1]),  # batch-1 decode
+    ([1], [7], [3]),  # a verify of 2 drafts
+    ([2, 0], [13, 0], [2, 4]),  # slots out of order, a fresh request, padding (8 tokens: FUSED_MAX_TOKENS)
+])
+def test_rope_cache_attend(n_heads, n_kv, head_dim, slots, starts, lens):
+    """RoPE + cache write + attention: the fused kernel against the torch path (rope, index_copy_, SDPA)."""
+    g = torch.Generator().manual_seed(2)
+    cfg = LlamaConfig(hidden_size=n_heads * head_dim, num_attention_heads=n_heads, num_key_value_heads=n_kv)
+    rotary = RotaryEmbedding(cfg, head_dim)
+    queries = [torch.randint(0, 9, (n,), generator=g).tolist() for n in lens]
+    batch = ForwardBatch.build(slots, starts, queries, 3, "cpu")
+    B, L = batch.input_ids.shape
+    caches = torch.randn(2, 4, 64, n_kv, head_dim, generator=g)  # k and v, 3 slots + scratch
+    qkv = torch.randn(B, L, (n_heads + 2 * n_kv) * head_dim, generator=g)
+    freqs_cis = rotary(batch.positions)
+    meta = AttentionMetadata.build(batch, freqs_cis, caches[0], n_heads // n_kv)
+    assert meta.fused
+    ref_meta = AttentionMetadata(batch, freqs_cis, meta.write_index, causal_mask(batch.positions, batch.max_ctx,
+                                                                                 n_heads // n_kv), fused=False)
+    ref_caches = caches.clone()
+    out = attention(qkv.clone(), meta, caches[0], caches[1], n_heads)
+    ref = attention(qkv.clone(), ref_meta, ref_caches[0], ref_caches[1], n_heads)
+    real = torch.tensor([[j < n for j in range(L)] for n in lens])  # padded rows are garbage in both
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[:, :3], ref_caches[:, :3], rtol=1e-6, atol=1e-6)
