@@ -73,12 +73,15 @@ class ModelRunner:
             raise ValueError(f"context of {batch.max_ctx} tokens exceeds the KV cache's {self.max_len}")
         lens = [len(q) for q in queries]
         hidden = self.model(batch, self.kv)  # [B, L, hidden]
-        # Rows of each request's last num_logits tokens, in request order.
-        batch_row = np.empty(n, dtype=np.int64)  # [n] batch row of each request
-        batch_row[order] = np.arange(n)
-        b_idx = np.repeat(batch_row, num_logits)
-        t_idx = np.concatenate([np.arange(n - k, n) for n, k in zip(lens, num_logits)]) if b_idx.size else b_idx
-        rows = hidden[torch.from_numpy(b_idx).to(self.device), torch.from_numpy(t_idx).to(self.device)]
+        B, L, H = hidden.shape
+        if order == list(range(n)) and all(k == L for k in num_logits) and all(m == L for m in lens):
+            rows = hidden.view(B * L, H)  # every token's row, already in request order
+        else:  # rows of each request's last num_logits tokens, in request order
+            batch_row = np.empty(n, dtype=np.int64)  # [n] batch row of each request
+            batch_row[order] = np.arange(n)
+            b_idx = np.repeat(batch_row, num_logits)
+            t_idx = np.concatenate([np.arange(m - k, m) for m, k in zip(lens, num_logits)]) if b_idx.size else b_idx
+            rows = hidden.view(B * L, H).index_select(0, torch.from_numpy(b_idx * L + t_idx).to(self.device))
         return self.model.compute_logits(rows, gather=gather)
 
 
