@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the weight GEMMs against everything else, per op.
 
     .venv/bin/python scripts/profile_step.py [--target smollm2-135m-instruct] [--shapes 1x1,1x4,4x4]
-        [--ctx 200] [--steps 20] [--threads 2] [--top 12]
+        [--ctx 200] [--steps 20] [--threads 2] [--clock wall|cpu] [--top 12] [--tokens 0]
 
 For each shape BxL (B requests, L query tokens each: 1 + k drafts) it prefills B contexts of --ctx
 tokens, then times ModelRunner.forward over B x L new tokens (the same positions each time, as a
@@ -11,11 +11,15 @@ rolled-back verify would). Figures per step, in ms:
              step, plus compute_logits (the LM head): the weight matrix products alone
   rest       step - gemm: norms, RoPE, attention, residuals, host work
 and a torch.profiler table of the ops by self time (the profiler adds its own per-op cost: read
-the shares, not the absolute sums).
+the shares, not the absolute sums). --clock cpu times with this process's CPU seconds instead of
+wall seconds: steadier on a shared machine at --threads 1. --tokens N also times target-only greedy
+generation at batch 1 (4 chat prompts x N tokens) through LLM and prints a hash of the tokens, so two
+checkouts can be compared for speed and for equal output.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import statistics
 import time
@@ -23,10 +27,19 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from minispec import LLM, SamplingParams
 from minispec.engine.model_runner import ModelRunner
-from minispec.models.loader import load_model
 
 GEMM_OPS = re.compile(r"linear|addmm|^aten::mm$|matmul|gemv|gemm|int4|int8|quant|packed")
+
+
+PROMPTS = [
+    "Explain how a refrigerator keeps food cold.",
+    "Write a short poem about the sea at night.",
+    "List five tips for learning a new language.",
+    "What is the difference between a list and a tuple in Python?",
+]
+clock = time.perf_counter
 
 
 def timed(fn, steps: int) -> float:
@@ -34,10 +47,21 @@ def timed(fn, steps: int) -> float:
     fn(), fn()
     times = []
     for _ in range(steps):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return statistics.median(times)
+
+
+def generate_tok_s(llm, num_tokens: int) -> tuple[float, str]:
+    """(target-only greedy tok/s at batch 1 over PROMPTS, a hash of the tokens)."""
+    sp = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    ids = [llm.encode(p, use_chat_template=True) for p in PROMPTS]
+    llm.generate([ids[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    t = clock()
+    tokens = [llm.generate([p], sp)[0].token_ids for p in ids]
+    seconds = clock() - t
+    return sum(map(len, tokens)) / seconds, hashlib.sha1(str(tokens).encode()).hexdigest()[:12]
 
 
 def linear_inputs(model, step) -> list[tuple[torch.nn.Module, torch.Tensor]]:
@@ -97,15 +121,19 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=200, help="context tokens before the step")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: this process's CPU seconds")
     ap.add_argument("--top", type=int, default=12, help="ops listed per shape")
+    ap.add_argument("--tokens", type=int, default=0, help="also time greedy generation of this many tokens")
     args = ap.parse_args()
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     t = time.perf_counter()
-    loaded = load_model(args.target, dtype=torch.float32, device="cpu")
-    print(f"loaded {loaded.name} in {time.perf_counter() - t:.1f} s; threads {torch.get_num_threads()}, "
-          f"context {args.ctx}, {args.steps} steps per figure")
-    model = loaded.model
+    llm = LLM(target=args.target, draft=None, max_num_seqs=1, dtype="float32", device="cpu")
+    print(f"loaded {args.target} in {time.perf_counter() - t:.1f} s; threads {torch.get_num_threads()}, "
+          f"context {args.ctx}, {args.steps} steps per figure, {args.clock} clock")
+    model = llm.target.model
     runner = ModelRunner(model, max(b for b, _ in shapes), args.ctx + 16, dtype=torch.float32, device=torch.device("cpu"))
     results = [profile_shape(model, runner, B, L, args.ctx, args.steps, args.top) for B, L in shapes]
     print("\n| B x L | step ms | gemm ms | rest ms | rest share | linear calls | profiled: ops/step, "
@@ -116,6 +144,10 @@ def main() -> None:
         print(f"| {r['B']}x{r['L']} | {r['step']:.2f} | {r['gemm']:.2f} | {r['step'] - r['gemm']:.2f} | "
               f"{(r['step'] - r['gemm']) / r['step']:.0%} | {r['n_linear']} | {r['n_ops']}, {r['gemm_prof']:.2f}, "
               f"{r['rest_prof']:.2f}, {outside:.2f} |")
+    if args.tokens:
+        tok_s, digest = generate_tok_s(llm, args.tokens)
+        print(f"\ntarget-only greedy, batch 1, {len(PROMPTS)} prompts x {args.tokens} tokens: {tok_s:.1f} tok/s "
+              f"({args.clock} clock), tokens {digest}")
     for r in results:
         print(f"\n{r['B']}x{r['L']}: top ops by self time (profiled), ms per step")
         print("| op | ms | calls |")
