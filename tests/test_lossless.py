@@ -18,13 +18,12 @@ from transformers import AutoModelForCausalLM
 
 from minispec import LLM, SamplingParams
 from minispec.sample.sampler import probs_from_logits
-from tests.utils import DEVICES, make_tiny_model_dir
+from tests.utils import DEVICES, chi2_sf, chi2_test, make_tiny_model_dir
 
 VOCAB = 32
 PROMPT = [5, 17, 9, 3, 30, 1]
 N = 6000  # requests per setting
 ALPHA = 1e-3  # reject the law when p < ALPHA
-MIN_EXPECTED = 5.0  # cells with fewer expected counts are pooled
 NUM_TOKENS = 3
 
 # (name, sampling settings, k)
@@ -40,38 +39,6 @@ TARGET_ONLY_SETTINGS = [SETTINGS[0], SETTINGS[5]]
 
 
 # ---- statistics --------------------------------------------------------------------------------
-
-def chi2_sf(stat: float, dof: int) -> float:
-    """P(X >= stat) for X ~ chi-square(dof): the regularized upper incomplete gamma Q(dof/2, stat/2)."""
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
-def chi2_test(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float, int]:
-    """Pearson chi-square of counts [V] against probs [V]; cells expected < MIN_EXPECTED are pooled.
-
-    Returns (chi2, dof, p, count seen in zero-probability cells); p is 0 if that count is not 0.
-    """
-    counts, probs = counts.double(), probs.double()
-    n = counts.sum()
-    zero = probs <= 0
-    impossible = int(counts[zero].sum())
-    expected = probs[~zero] * n  # [S]
-    observed = counts[~zero]  # [S]
-    order = torch.argsort(expected)
-    expected, observed = expected[order], observed[order]
-    # Pool the smallest cells until the pooled cell reaches MIN_EXPECTED.
-    cut = 0
-    while cut < len(expected) and expected[:cut].sum() < MIN_EXPECTED:
-        cut += 1
-    if cut > 1:
-        expected = torch.cat([expected[:cut].sum().view(1), expected[cut:]])
-        observed = torch.cat([observed[:cut].sum().view(1), observed[cut:]])
-    stat = float((((observed - expected) ** 2) / expected).sum())
-    dof = len(expected) - 1
-    p = chi2_sf(stat, dof) if dof > 0 else 1.0
-    return stat, dof, (0.0 if impossible else p), impossible
-
 
 def binomial_test(successes: int, n: int, prob: float) -> tuple[float, float]:
     """Two-sided normal-approximation test of successes ~ Binomial(n, prob): (z, p)."""

@@ -18,7 +18,7 @@ from minispec.sample.sampler import probs_from_logits
 from minispec.spec_decode import draft_logits
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 from minispec.spec_decode.ngram import NgramProposer, ngram_drafts
-from minispec.spec_decode.rejection_sampler import rejection_terms
+from tests.sampler_law import Request as LawRequest, exact_law, probe
 from tests.utils import make_tiny_model_dir
 
 
@@ -170,19 +170,18 @@ def test_sharded_cache_writes_only_own_rows(monkeypatch, tp):
 
 
 def test_one_hot_draft_is_lossless_exactly():
-    """With one-hot q the sampler accepts d with probability p(d) and otherwise draws p without d."""
-    torch.manual_seed(0)
+    """With one-hot q the sampler accepts d with probability p(d) and otherwise draws p without d:
+    probed on rejection_sample (tests/sampler_law.py), every emitted token follows p."""
+    g = torch.Generator().manual_seed(0)
     vocab = 6
-    target = torch.randn(2, vocab)
+    target = torch.randn(2, vocab, generator=g)
     draft = torch.full((2, vocab), float("-inf"))
-    draft[0, 4] = 0.0  # row 0 verifies draft 4; row 1 is the bonus row
-    tokens = torch.tensor([4, -1])
-    ones, no_top_k = torch.ones(1), torch.zeros(1, dtype=torch.int64)
-    accept, final = rejection_terms(target, draft, tokens, None, torch.tensor([0, 2]), ones, no_top_k, ones)
-    p = target[0].softmax(-1)
-    assert accept[0].item() == pytest.approx(p[4].item())
-    out = accept[0] * torch.nn.functional.one_hot(torch.tensor(4), vocab) + (1 - accept[0]) * final[0]
-    torch.testing.assert_close(out, p)
+    draft[:, 4] = 0.0  # row 0 verifies draft 4 (q one-hot at 4); row 1 is the bonus row
+    req = LawRequest(target, draft, draft)
+    assert req.threshold[0, 4].item() == pytest.approx(req.p[0, 4].item())
+    assert not probe(req) and not probe(req, use_triton=True)
+    for prefix, m in exact_law(req).items():
+        torch.testing.assert_close(m / m.sum(), req.p[len(prefix)], atol=1e-6, rtol=0)
 
 
 # ---- engine: greedy ------------------------------------------------------------------------

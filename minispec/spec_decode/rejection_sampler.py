@@ -38,24 +38,6 @@ def _valid_drafts(draft_tokens, stale, cu_num_logits, vocab):
     return valid
 
 
-def rejection_terms(target_logits, draft_logits, draft_tokens, stale, cu_num_logits, temperature, top_k, top_p):
-    """The exact per-row terms: accept_prob [num_logits] and final_dist [num_logits, V] (row's draw on rejection).
-
-    Bonus and invalid rows have accept_prob 0 and final_dist p.
-    """
-    p, q = _probs(target_logits, draft_logits, cu_num_logits, temperature, top_k, top_p)
-    vocab = p.shape[-1]
-    valid = _valid_drafts(draft_tokens, stale, cu_num_logits, vocab)  # [num_logits]
-    d = torch.where(valid, draft_tokens, 0).unsqueeze(1)
-    pd, qd = p.gather(1, d).squeeze(1), q.gather(1, d).squeeze(1)  # [num_logits]
-    ratio = torch.where(qd > 0, (pd / qd.clamp_min(1e-38)).clamp(max=1), (pd > 0).float())
-    accept_prob = torch.where(valid, ratio, 0.0)
-    resid = torch.where(valid.unsqueeze(1), (p - q).clamp_min(0), 0.0)  # [num_logits, V]
-    mass = resid.sum(dim=-1, keepdim=True)
-    final_dist = torch.where(mass > 0, resid / mass.clamp_min(1e-38), p)
-    return accept_prob, final_dist
-
-
 def rejection_sample_ref(p, q, draft_tokens, stale, cu_num_logits, uniforms, noise):
     """Torch reference on probabilities: tokens [num_reqs, K + 1] (-1 padded), num_sampled [num_reqs]."""
     num_logits, vocab = p.shape
