@@ -86,9 +86,10 @@ class LLM:
     none), None (target only), "ngram" (prompt lookup with n-gram sizes ngram_n = (min_n, max_n)), or a
     draft model (spec or LoadedModel, in draft_dtype) sharing the target's vocabulary.
     draft_dtype: the draft model's dtype (default: dtype); e.g. "bfloat16" for a float32 target.
-    adaptive_k: each step chooses one speculation length for the whole batch from the requests' running
-    acceptance and turns speculation off when it does not pay (spec_decode/adaptive.py). None (default):
-    on with the "auto" draft, off (fixed k, as sweeps need) with a named one.
+    adaptive_k: each step chooses one speculation length for the batch's unseeded requests from their running
+    acceptance and turns speculation off when it does not pay (spec_decode/adaptive.py); a seeded request
+    chooses its own from its own state alone, so that its tokens stay reproducible (SamplingParams.seed).
+    None (default): on with the "auto" draft, off (fixed k, as sweeps need) with a named one.
     """
 
     def __init__(
@@ -154,7 +155,12 @@ class LLM:
             # Draft and verify costs measured on these models at each batch size the engine runs.
             costs = MeasuredCosts(self.target.model, "ngram" if self.draft is None else self.draft.model, k,
                                   max_num_seqs, self.target.vocab_size, torch_dtype, self.device)
-            k_policy = AdaptiveK(k, cost_model=costs)
+            # Seeded requests choose their own k on the roofline instead (reproducible): a draft step costs
+            # the draft's parameter bytes over the target's, verification is free.
+            c = 0.0 if self.draft is None else param_bytes(self.draft.model) / param_bytes(self.target.model)
+            if tp.world_size > 1:  # every rank must choose the same k: rank 0's ratio
+                c = float(tp.broadcast(torch.tensor([c], dtype=torch.float64, device=self.device)).item())
+            k_policy = AdaptiveK(k, cost_model=costs, seeded_costs=(c, None))
         self.engine = Engine(target_runner, proposer, config, self.target.eos_token_ids, self.target.vocab_size,
                              k_policy=k_policy)
         if seed is None:
@@ -271,4 +277,3 @@ class LLM:
 def param_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters (what one decode step streams at batch 1)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
-

@@ -46,7 +46,8 @@ def test_speculative_greedy_equals_transformers(target_dir, draft_dir, hf_greedy
         m = o.metrics
         assert len(m["accepted_per_position"]) == k
         assert m["num_accepted_tokens"] <= m["num_draft_tokens"] == m["num_drafts"] * k
-        assert m["mean_accepted_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+        assert m["num_accepted_tokens"] <= m["num_emitted_tokens"] <= m["num_accepted_tokens"] + m["num_drafts"]
+        assert m["mean_accepted_length"] == pytest.approx(m["num_emitted_tokens"] / m["num_drafts"])
 
 
 def test_target_as_own_draft_accepts_everything(target_dir, hf_greedy):
@@ -55,6 +56,62 @@ def test_target_as_own_draft_accepts_everything(target_dir, hf_greedy):
     for p, o in zip(PROMPTS, outs):
         assert o.token_ids == hf_greedy(p, 24)
         assert o.metrics["acceptance_rate"] == 1.0
+
+
+def test_metrics_count_what_was_emitted(target_dir, hf_greedy):
+    """The target as its own draft accepts all 4 drafts of the first verification, but max_tokens = 3, or a
+    stop token at the 3rd token, keeps 2 of them: the metrics count 2 accepted drafts and 2 tokens emitted
+    by that verification, and nothing follows the stop token."""
+    llm = LLM(target=target_dir, draft=target_dir, num_speculative_tokens=4, max_num_seqs=2)
+    prompt = next(p for p in PROMPTS if hf_greedy(p, 3)[2] not in hf_greedy(p, 3)[:2])
+    free = hf_greedy(prompt, 3)
+    for params in (SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[free[2]], ignore_eos=True)):
+        out = llm.generate([prompt], params)[0]
+        assert out.token_ids == free
+        m = out.metrics
+        assert (m["num_drafts"], m["num_draft_tokens"], m["num_accepted_tokens"], m["num_emitted_tokens"]) == (1, 4, 2, 2)
+        assert m["accepted_per_position"] == [1, 1, 0, 0]
+        assert m["mean_accepted_length"] == 2.0 and m["acceptance_rate"] == 0.5
+
+
+@pytest.fixture(scope="module")
+def spec_llm(target_dir, draft_dir):
+    return LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=2, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-8])
+def test_tiny_temperatures_are_greedy(spec_llm, hf_greedy, temperature, top_k):
+    """logits / T overflowed at T = 1e-40 (every token above 3.4e-2 tied at the largest float): now the argmax."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=12, seed=0, ignore_eos=True)
+    for p, o in zip(PROMPTS, spec_llm.generate(PROMPTS, params)):
+        assert o.token_ids == hf_greedy(p, 12)
+
+
+def test_draft_logits_are_the_draft_models_on_the_accepted_context(target_dir, draft_dir):
+    """Every cached draft step is transformers' draft logits on the request's tokens and the drafts before it,
+    so the draft's KV cache was rolled back past every rejected draft (float32, atol 1e-4)."""
+    hf = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=3, max_num_seqs=4)
+    proposer = llm.engine.proposer
+    propose = proposer.propose
+    checked = []
+
+    def spy(reqs, cache, num_steps=None):
+        drafts = propose(reqs, cache, num_steps)  # [num_reqs, num_steps]
+        rows = cache.rows_of(torch.tensor([r.slot for r in reqs])).long()
+        for r, row, d in zip(reqs, rows, drafts):
+            with torch.no_grad():
+                want = hf(torch.tensor([r.token_ids + d[:-1].tolist()])).logits[0, -len(d):]
+            torch.testing.assert_close(cache.values[row, : len(d)], want, atol=1e-4, rtol=0)
+            checked.append(r.req_id)
+        return drafts
+
+    proposer.propose = spy
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=16, seed=3, ignore_eos=True))
+    assert len(checked) >= 4 * 4
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) < sum(o.metrics["num_draft_tokens"] for o in outs)
 
 
 def test_mixed_batch_equals_each_alone_and_tight_budget(target_dir, draft_dir):
@@ -106,6 +163,27 @@ def test_seeded_sampling_independent_of_batch(target_dir, draft_dir, draft):
     assert again == together
     other_seed = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.9, max_tokens=20, seed=7, ignore_eos=True))
     assert other_seed[0].token_ids != together[0]
+
+
+def test_seeded_requests_reproducible_under_adaptive_k(target_dir, draft_dir):
+    """Adaptive k: a seeded request chooses its own k from its own state (AdaptiveK seeded_costs), so its
+    tokens are the same in a fresh LLM, alone or beside unseeded requests, even when the costs measured for
+    the batch (here: drafting pays alone, not at batch size 4) give the others another k."""
+    def build():
+        llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=3, max_num_seqs=4, adaptive_k=True)
+        llm.engine.k_policy.cost_model = lambda b: (0.0, None) if b == 1 else (2.0, [1.0, 3.0, 4.0, 5.0])
+        return llm
+
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=1234, ignore_eos=True)
+    unseeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True)
+    llm = build()
+    alone = llm.generate([PROMPTS[0]], seeded)[0]
+    batch = llm.generate(PROMPTS, [seeded, unseeded, unseeded, unseeded])
+    assert batch[0].token_ids == alone.token_ids
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):  # the same k at every step
+        assert batch[0].metrics[key] == alone.metrics[key]
+    assert build().generate([PROMPTS[0]], seeded)[0].token_ids == alone.token_ids
+    assert build().generate(PROMPTS[::-1], [unseeded] * 3 + [seeded])[3].token_ids == alone.token_ids
 
 
 def test_abort_frees_slot(target_dir, draft_dir):

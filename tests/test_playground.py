@@ -135,7 +135,7 @@ def test_adaptive_choose_maximises_tokens_per_cost():
 
 def _fake_request(req_id):
     metrics = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0)
-    return SimpleNamespace(req_id=req_id, metrics=metrics)
+    return SimpleNamespace(req_id=req_id, metrics=metrics, params=SimpleNamespace(seed=None))
 
 
 def _verify(req, drafted, accepted):

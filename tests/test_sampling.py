@@ -210,3 +210,25 @@ def test_finite_fast_path_equals_sanitising_path():
         assert torch.allclose(fast, slow, atol=1e-6, rtol=0), trial
         greedy_only = sampler.probs_from_logits(logits, torch.zeros(n), top_k, top_p)
         assert torch.equal(greedy_only.argmax(-1), logits.argmax(-1)) and torch.all(greedy_only.sum(-1) == 1)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-8])
+def test_tiny_temperatures_keep_the_argmax(temperature):
+    """logits / T overflowed at T = 1e-40 (every logit above 3.4e-2 became the largest float, so token 0 or, after
+    top-k, every overflowing token won): rows below SHIFT_BELOW_T are divided after subtracting their maximum.
+    The limit law: one-hot at the argmax, uniform over tied maxima, with or without top-k / top-p."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 40, generator=g) * 3
+    logits[5, [7, 30]] = logits[5].max() + 1.0  # a tie
+    n = logits.shape[0]
+    for top_k, top_p in ((0, 1.0), (5, 1.0), (0, 0.9), (5, 0.9)):
+        probs = probs_from_logits(logits, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p))
+        want = torch.nn.functional.one_hot(logits.argmax(-1), 40).float()
+        want[5] = 0.0
+        want[5, [7, 30]] = 0.5 if top_p == 1.0 else want[5, [7, 30]]
+        if top_p < 1.0:  # top-p keeps one of the two tied tokens (the sort's last): all the mass on it
+            assert probs[5].max() == 1.0 and probs[5].argmax().item() in (7, 30)
+            want[5] = probs[5]
+        assert torch.equal(probs, want), (top_k, top_p)
+        assert torch.isfinite(warp_logits(logits, torch.full((n,), temperature), torch.full((n,), top_k),
+                                          torch.full((n,), top_p)).amax(-1)).all()

@@ -272,17 +272,18 @@ class Engine:
             num_accepted = n - 1
             m = r.metrics
             nd = int((r.drafts >= 0).sum()) if r.num_drafts else 0
-            if nd:
-                m.num_drafts += 1
-                m.num_draft_tokens += nd
-                m.num_accepted_tokens += num_accepted
-                for j in range(num_accepted):
-                    m.accepted_per_position[j] += 1
             # Valid K/V: everything up to the last token fed before the drafts, plus accepted drafts.
             r.num_computed = len(r.token_ids) + num_accepted
             r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
             r.drafts = None
             new, reason = self._append(r, [int(t) for t in tokens[i, :n]])
+            if nd:  # count what was emitted: a stop token or max_tokens may cut the accepted run
+                m.num_drafts += 1
+                m.num_draft_tokens += nd
+                m.num_accepted_tokens += min(num_accepted, len(new))
+                m.num_emitted_tokens += len(new)
+                for j in range(min(num_accepted, len(new))):
+                    m.accepted_per_position[j] += 1
             if m.first_token_time is None and new:
                 m.first_token_time = now
             outputs.append(StepOutput(r, new))

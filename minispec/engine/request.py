@@ -16,7 +16,8 @@ class RequestMetrics:
 
     num_drafts: int = 0  # verifications that had at least one draft
     num_draft_tokens: int = 0  # drafts verified (placeholders excluded)
-    num_accepted_tokens: int = 0
+    num_accepted_tokens: int = 0  # accepted drafts that were emitted (a stop or max_tokens cuts a run)
+    num_emitted_tokens: int = 0  # tokens emitted by verifications with drafts (accepted + drawn, as cut)
     num_stale_drafts: int = 0  # drafts rejected because their draft logits row was taken
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
     betas: list[float] = field(default_factory=list)  # sum_x min(p, q) per verified draft, if recorded
@@ -26,8 +27,8 @@ class RequestMetrics:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per verification with drafts: 1 + accepted / drafts."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+        """Tokens emitted per verification with drafts (1 + accepted / drafts unless a stop cut a run)."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 1.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -40,6 +41,7 @@ class RequestMetrics:
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens,
             "num_stale_drafts": self.num_stale_drafts,
             "accepted_per_position": list(self.accepted_per_position),
             "betas": list(self.betas),

@@ -41,6 +41,13 @@ requests (pool_decay per observation), prior_alpha before it has seen one: a new
 workload where drafts are rarely accepted does not start out speculating. A request that was asked
 for drafts and verified none (the proposer had nothing, as an n-gram lookup without a match) counts
 one failure.
+
+Seeded requests (seeded_costs given, as LLM does): a request with a seed chooses its own k from its
+own state alone, so that its k sequence, and with it its tokens, is the same run to run and whatever
+it is batched with: its acceptance estimate starts from prior_alpha (not the pooled prior), the costs
+are the fixed seeded_costs = (draft_cost, verify_costs) at batch size 1 (no measurement, no step
+overhead), and it keeps its own probe clock. Unseeded requests share the batch's k as above; the step
+drafts the largest k of the batch and each request keeps its own k of those drafts.
 """
 from __future__ import annotations
 
@@ -78,6 +85,8 @@ class _RequestState:
     asked: int = 0  # the k this policy gave it last time
     successes: float = 0.0
     trials: float = 0.0
+    steps_off: int = 0  # a seeded request's own probe clock (see AdaptiveK.steps_off / probe_gap)
+    probe_gap: int = 0
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -91,7 +100,9 @@ class AdaptiveK:
     k_max: the engine's num_speculative_tokens. draft_cost: c, draft cost per drafted token over a
     target decode step. verify_costs: v[0..k_max] (v[0] = 1), or None for free verification
     (v[k] = 1). cost_model: batch_size -> (draft_cost, verify_costs), used instead of the fixed pair when
-    given. overhead_decay: how fast the measured step overhead forgets old steps. See the module docstring.
+    given. overhead_decay: how fast the measured step overhead forgets old steps. seeded_costs: (draft_cost,
+    verify_costs) from which a seeded request chooses its own k, or None (seeded requests share the batch's
+    k). See the module docstring.
     """
 
     def __init__(
@@ -107,6 +118,7 @@ class AdaptiveK:
         cost_model=None,
         overhead_decay: float = 0.9,
         pool_decay: float = 0.95,
+        seeded_costs: tuple[float, Sequence[float] | None] | None = None,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
@@ -119,6 +131,7 @@ class AdaptiveK:
         self.k_max = k_max
         self.cost_model = cost_model
         self.fixed_costs = self.step_costs(draft_cost, verify_costs)  # [k_max + 1] forward cost of k drafts
+        self.seeded_costs = None if seeded_costs is None else self.step_costs(*seeded_costs)  # [k_max + 1]
         self._costs_by_batch: dict[int, np.ndarray] = {}
         self.decay = decay
         self.prior_alpha = prior_alpha
@@ -182,12 +195,28 @@ class AdaptiveK:
     def choose(self, alphas: float | Sequence[float], batch_size: int | None = None) -> int:
         """The k in [0, k_max] with the most expected tokens per unit cost for a batch at these acceptances."""
         alphas = np.atleast_1d(np.asarray(alphas, dtype=np.float64))  # [num_reqs]
-        batch_size = len(alphas) if batch_size is None else batch_size
+        return self._best_k(alphas, self.costs(len(alphas) if batch_size is None else batch_size))
+
+    def _best_k(self, alphas: np.ndarray, costs: np.ndarray) -> int:
+        """The k with the most expected tokens per unit of costs [k_max + 1] (0 unless it beats margin)."""
         ks = np.arange(self.k_max + 1)
         tokens = expected_tokens(alphas[:, None], ks[None, :]).sum(axis=0)  # [k_max + 1]; tokens[0] = num_reqs
-        rate = tokens / self.costs(batch_size)
+        rate = tokens / costs
         k = int(np.argmax(rate[1:])) + 1
         return k if rate[k] > self.margin * rate[0] else 0
+
+    def _probe(self, k: int, clock) -> int:
+        """k, or 1 when speculation has been off for clock.probe_gap steps (a probe); advances the clock."""
+        if k == 0:
+            clock.steps_off += 1
+            if self.probe_every > 0 and clock.steps_off >= clock.probe_gap:
+                clock.steps_off = 0
+                clock.probe_gap = min(2 * clock.probe_gap, 8 * self.probe_every)
+                return 1
+            return 0
+        clock.steps_off = 0
+        clock.probe_gap = self.probe_every
+        return k
 
     def prior(self) -> float:
         """A new request's starting acceptance: the pooled rate of recent observations (prior_alpha before any)."""
@@ -213,32 +242,37 @@ class AdaptiveK:
         m = req.metrics
         s = self.states.get(req.req_id)
         if s is None or s.req is not req:
-            s = self.states[req.req_id] = _RequestState(req, successes=self.prior() * self.prior_weight,
-                                                         trials=self.prior_weight)
+            prior = self.prior_alpha if self._seeded(req) else self.prior()
+            s = self.states[req.req_id] = _RequestState(req, successes=prior * self.prior_weight,
+                                                         trials=self.prior_weight, probe_gap=self.probe_every)
         if m.num_drafts > s.seen_drafts:  # the last step verified drafts of ours: one observation
             self.observe(req.req_id, m.num_draft_tokens - s.seen_draft_tokens, m.num_accepted_tokens - s.seen_accepted)
         elif s.asked:  # asked for drafts, got none (an n-gram miss): nothing to accept, a failed run
             self.observe(req.req_id, s.asked, 0)
         s.seen_drafts, s.seen_draft_tokens, s.seen_accepted = m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens
 
+    def _seeded(self, req) -> bool:
+        """Whether the request chooses its own k (it has a seed and seeded_costs were given)."""
+        return self.seeded_costs is not None and req.params.seed is not None
+
     def __call__(self, reqs: Sequence) -> list[int]:
-        """Engine hook: the k of each request about to draft (one k for all), after their counters were updated."""
+        """Engine hook: the k of each request about to draft, after their counters were updated: one k for the
+        unseeded requests, and each seeded one's own (module docstring)."""
         for r in reqs:
             self._update(r)
-        k = self.choose([self.alpha(r.req_id) for r in reqs])
-        if k == 0:
-            self.steps_off += 1
-            if self.probe_every > 0 and self.steps_off >= self.probe_gap:
-                self.steps_off = 0
-                self.probe_gap = min(2 * self.probe_gap, 8 * self.probe_every)
-                k = 1
-        else:
-            self.steps_off = 0
-            self.probe_gap = self.probe_every
+        shared = [r for r in reqs if not self._seeded(r)]
+        k = self._probe(self.choose([self.alpha(r.req_id) for r in shared]), self) if shared else 0
+        ks = []
         for r in reqs:
-            self.states[r.req_id].asked = k
-        self.counts[k] += len(reqs)
-        return [k] * len(reqs)
+            s = self.states[r.req_id]
+            if self._seeded(r):
+                alpha = s.successes / s.trials if s.trials > 0 else self.prior_alpha
+                s.asked = self._probe(self._best_k(np.array([alpha]), self.seeded_costs), s)
+            else:
+                s.asked = k
+            self.counts[s.asked] += 1
+            ks.append(s.asked)
+        return ks
 
     def mean_k(self) -> float:
         """Mean chosen k over every request drafted so far (nan before the first)."""
