@@ -9,11 +9,18 @@ draft-logits cache layout (sharded / replicated). Invariants checked on every ex
 * a seeded sampled request with no stale drafts gives the tokens it gives alone with no skips;
 * no stale draft and no placeholder draft is ever accepted, and accepted tokens are the drafts (checked
   on every call of the rejection sampler, which the engine module is made to call through a wrapper);
+* every draft-logits row read at verification is fresh or flagged stale, by the test's own record of
+  which request last wrote each cache row (not the engine's flags): a row flagged stale was last written
+  by another request, and a row not flagged equals what the proposer wrote for this request;
 * no token lost or duplicated: step deltas concatenate to the final output; its length is max_tokens
   unless stopped, aborted or at the context's end;
 * every request ends ("length", "stop" or "abort"); the engine then holds nothing and every slot is free;
 * metrics add up: accepted <= drafted - stale, drafted <= drafts * k, sum(accepted_per_position) ==
-  accepted (non-increasing), mean accepted length == 1 + accepted / drafts.
+  accepted (non-increasing), accepted <= emitted <= accepted + drafts, mean accepted length == emitted /
+  drafts.
+
+Each test checks, on its own, that its examples exercised what it is for (skips, stale drafts, aborts,
+accepted and rejected drafts, ...): the check does not depend on which other tests ran.
 
 The LLMs are built once per module and reused (the engine is reusable); the scheduler's token budget
 and a per-request k (Engine.k_policy) are set per example. MINISPEC_FUZZ_SCALE scales the number of
@@ -26,6 +33,7 @@ import os
 from collections import Counter
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,13 +48,29 @@ STALE_VARIANTS = ["self-sharded", "ngram-sharded", "draft-sharded"]
 SCALE = float(os.environ.get("MINISPEC_FUZZ_SCALE", "1"))  # multiplies every test's number of examples
 
 
-def fuzz(examples: int, num_params: int):
-    """Hypothesis settings: `examples` (times MINISPEC_FUZZ_SCALE) derandomized examples per parameter."""
+def fuzz(examples: int, body, *args) -> Counter:
+    """Run body(*args, data) on `examples` (times MINISPEC_FUZZ_SCALE) derandomized hypothesis examples;
+    returns what they exercised (the growth of STATS)."""
     n = max(1, round(examples * SCALE))
-    EXPECTED["examples"] += n * num_params
-    EXPECTED["tests"] += num_params
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    before = STATS.copy()
+
+    @given(data=st.data())
+    @settings(max_examples=n, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    def run(data):
+        body(*args, data)
+
+    run()
+    exercised = STATS - before
+    print(f"\nfuzz {args[-1]}:", dict(sorted(exercised.items())))
+    assert exercised["examples"] >= n
+    return exercised
+
+
+def require(exercised: Counter, *what: str) -> None:
+    """The examples exercised each of `what` at least once."""
+    for w in what:
+        assert exercised[w] > 0, f"the fuzz never exercised: {w}"
 
 
 # name -> (draft: None / "target" (its own draft) / "draft" / "ngram", k, sharded cache)
@@ -61,12 +85,35 @@ VARIANTS = {
 }
 
 STATS: Counter = Counter()  # what the examples exercised and how many checks they passed
-EXPECTED: Counter = Counter()
-RAN: set[str] = set()  # the parametrized fuzz tests that ran (the tally needs them all)
 _ids = itertools.count()
+WRITTEN: dict[int, torch.Tensor] = {}  # id(request) -> [num_steps, V] the draft logits its last proposal wrote
+LAST_WRITER: dict[tuple[int, int], object] = {}  # (id(cache), row) -> the request that last wrote the row
+CURRENT: list = []  # [engine, requests] of the verification in progress
 
 
 # ---- the rejection-sampler spy --------------------------------------------------------------------
+
+
+def check_rows_read(logits, draft_logits, draft_tokens, stale, cu) -> None:
+    """Each verified draft's logits row is fresh (last written by its request) iff it is not flagged stale,
+    and a fresh row holds what the proposer wrote for the request (when the batch reads the cache)."""
+    engine, reqs = CURRENT
+    cache = engine.draft_logits
+    if cache is None:
+        return
+    rows = cache.rows_of(torch.tensor([r.slot for r in reqs])).tolist()
+    for i, (r, row) in enumerate(zip(reqs, rows)):
+        start, end = int(cu[i]), int(cu[i + 1])
+        for j in range(end - start - 1):
+            if int(draft_tokens[start + j]) < 0:
+                continue
+            fresh = LAST_WRITER.get((id(cache), row)) is r
+            flagged = stale is not None and bool(stale[start + j])
+            assert flagged != fresh, f"draft {j} of {r.req_id}: fresh={fresh} but flagged stale={flagged}"
+            if fresh and draft_logits is not logits:  # all-greedy batches compare tokens, reading no cache
+                assert torch.equal(draft_logits[start + j].cpu(), WRITTEN[id(r)][j]), "a row holds other logits"
+                STATS["checks: draft-logits rows read"] += 1
+            STATS["checks: stale flags vs last writer"] += 1
 
 
 def check_verdict(draft_tokens, stale, cu, tokens, num_sampled) -> None:
@@ -92,17 +139,42 @@ def check_verdict(draft_tokens, stale, cu, tokens, num_sampled) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def spy_rejection_sampler():
-    """The engine calls the rejection sampler through check_verdict for the whole module."""
+    """The engine calls the rejection sampler through check_rows_read and check_verdict for the whole module."""
     real = engine_mod.rejection_sample
+    sample_mine = engine_mod.Engine._sample_mine
 
     def spy(logits, draft_logits, draft_tokens, stale, cu, *args, **kwargs):
+        check_rows_read(logits, draft_logits, draft_tokens.cpu(), None if stale is None else stale.cpu(), cu.cpu())
         verdict = real(logits, draft_logits, draft_tokens, stale, cu, *args, **kwargs)
         check_verdict(draft_tokens, stale, cu, verdict[0], verdict[1])
         return verdict
 
+    def current(self, reqs, *args):
+        CURRENT[:] = [self, reqs]
+        return sample_mine(self, reqs, *args)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_mod, "rejection_sample", spy)
+        mp.setattr(engine_mod.Engine, "_sample_mine", current)
         yield
+
+
+def spy_proposer(llm: LLM) -> None:
+    """Record, after every proposal, what it wrote to each request's row and that the request wrote it last."""
+    proposer = llm.engine.proposer
+    if proposer is None:
+        return
+    propose = proposer.propose
+
+    def recording(reqs, cache, num_steps=None):
+        drafts = propose(reqs, cache, num_steps)  # [num_reqs, num_steps]
+        rows = cache.rows_of(torch.tensor([r.slot for r in reqs])).tolist()
+        for r, row in zip(reqs, rows):
+            LAST_WRITER[(id(cache), row)] = r
+            WRITTEN[id(r)] = cache.values[row, : drafts.shape[1]].cpu().clone()
+        return drafts
+
+    proposer.propose = recording
 
 
 # ---- models and references ----------------------------------------------------------------------
@@ -118,6 +190,7 @@ def llms(tmp_path_factory):
         llm = LLM(target=target, draft=spec, num_speculative_tokens=max(k, 1), max_num_seqs=MAX_NUM_SEQS,
                   max_model_len=MAX_MODEL_LEN, shard_draft_logits=sharded, seed=0, ngram_n=(1, 3))
         spy_scheduler(llm)
+        spy_proposer(llm)
         out[name] = llm
     return out
 
@@ -238,15 +311,17 @@ def check_request(req, delta: list[int], k: int, engine_k: int) -> None:
     assert all(a >= b for a, b in zip(m.accepted_per_position, m.accepted_per_position[1:]))
     if k == 0:
         assert m.num_drafts == m.num_draft_tokens == 0
+    assert m.num_accepted_tokens <= m.num_emitted_tokens <= m.num_accepted_tokens + m.num_drafts
     d = m.as_dict(len(out))
     if m.num_drafts:
-        assert d["mean_accepted_length"] == pytest.approx(1 + m.num_accepted_tokens / m.num_drafts)
+        assert d["mean_accepted_length"] == pytest.approx(m.num_emitted_tokens / m.num_drafts)
         assert d["acceptance_rate"] == pytest.approx(m.num_accepted_tokens / m.num_draft_tokens)
     else:
         assert d["mean_accepted_length"] == 1.0
     STATS["checks: metrics"] += 1
     STATS["drafts verified"] += m.num_draft_tokens
     STATS["drafts accepted"] += m.num_accepted_tokens
+    STATS["drafts rejected"] += m.num_draft_tokens - m.num_accepted_tokens
     STATS["stale drafts"] += m.num_stale_drafts
 
 
@@ -301,10 +376,15 @@ def build_specs(ref_llm, raw: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-@given(data=st.data())
-@fuzz(20, len(VARIANTS))
-def test_engine_invariants_under_random_arrivals(llms, name, data):
-    RAN.add(f"engine_invariants_under_random_arrivals[{name}]")
+def test_engine_invariants_under_random_arrivals(llms, name):
+    exercised = fuzz(20, random_arrivals, llms, name)
+    require(exercised, "chunked prefills", "aborts", "checks: seeded sample independent of batch and skips")
+    if VARIANTS[name][0] is not None:
+        require(exercised, "skipped decodes", "drafts accepted", "drafts rejected", "checks: stale flags vs last writer",
+                "checks: draft-logits rows read")
+
+
+def random_arrivals(llms, name, data):
     llm = fresh(llms[name])
     engine_k = llm.engine.k
     # Budgets of about one decode (1 + k tokens) make requests take turns: skips and stale drafts.
@@ -313,7 +393,7 @@ def test_engine_invariants_under_random_arrivals(llms, name, data):
     max_arrival = data.draw(st.integers(0, 8), label="max_arrival")
     raw = data.draw(st.lists(request_st(engine_k, max_arrival), min_size=1, max_size=7), label="requests")
     specs = build_specs(llms["none"], raw)
-    STATS[f"examples: {name}"] += 1
+    STATS["examples"] += 1
     STATS["requests"] += len(specs)
 
     _, deltas = run_requests(llm, specs, budget)
@@ -346,10 +426,12 @@ def check_outputs(name: str, specs: list[dict], deltas: dict, engine_k: int) -> 
 
 
 @pytest.mark.parametrize("name", STALE_VARIANTS)
-@given(data=st.data())
-@fuzz(15, len(STALE_VARIANTS))
-def test_stale_drafts_when_requests_take_turns(llms, name, data):
-    RAN.add(f"stale_drafts_when_requests_take_turns[{name}]")
+def test_stale_drafts_when_requests_take_turns(llms, name):
+    exercised = fuzz(15, requests_take_turns, llms, name)
+    require(exercised, "stale drafts", "stale draft rows seen", "drafts accepted", "checks: draft-logits rows read")
+
+
+def requests_take_turns(llms, name, data):
     # A budget of one decode (1 + k tokens) a step, with a sharded cache, makes the requests take turns
     # and each take the row of the one skipped before it: its drafts go stale and must be rejected.
     # The target as its own draft (or n-gram drafts on repetitive prompts) would accept them otherwise.
@@ -358,7 +440,7 @@ def test_stale_drafts_when_requests_take_turns(llms, name, data):
     raw = data.draw(st.lists(request_st(engine_k, 2), min_size=2, max_size=4), label="requests")
     raw = [dict(r, k=engine_k, abort=None if r["abort"] is None or r["abort"] % 3 else r["abort"]) for r in raw]
     specs = build_specs(llms["none"], raw)
-    STATS[f"examples: {name}"] += 1
+    STATS["examples"] += 1
     STATS["requests"] += len(specs)
     _, deltas = run_requests(llm, specs, engine_k + 1)
     check_engine_empty(llm)
@@ -366,12 +448,13 @@ def test_stale_drafts_when_requests_take_turns(llms, name, data):
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-@given(data=st.data())
-@fuzz(8, len(VARIANTS))
-def test_stream_deltas_and_closing_midway(llms, name, data):
-    RAN.add(f"stream_deltas_and_closing_midway[{name}]")
+def test_stream_deltas_and_closing_midway(llms, name):
+    require(fuzz(8, stream_and_close, llms, name), "streams closed midway", "checks: stream")
+
+
+def stream_and_close(llms, name, data):
     llm = fresh(llms[name])
-    STATS[f"examples: {name}"] += 1
+    STATS["examples"] += 1
     llm.engine.scheduler.max_num_batched_tokens = data.draw(st.integers(llm.engine.k + 1, 64), label="budget")
     prompts = data.draw(st.lists(prompts_st, min_size=1, max_size=6), label="prompts")
     params = [SamplingParams(temperature=data.draw(st.sampled_from([0.0, 1.0])),
@@ -401,15 +484,3 @@ def test_stream_deltas_and_closing_midway(llms, name, data):
         if sp.greedy:
             assert toks == ref[: len(toks)]
         STATS["checks: stream"] += 1
-
-
-def test_report_what_the_fuzz_exercised():
-    """Runs last: the examples reached skips, stale drafts, aborts and accepted drafts (and print a tally)."""
-    if len(RAN) < EXPECTED["tests"]:
-        pytest.skip(f"only {len(RAN)} of the {EXPECTED['tests']} fuzz tests ran")
-    print("\nfuzz tally:", dict(sorted(STATS.items())))
-    assert sum(v for k, v in STATS.items() if k.startswith("examples: ")) >= EXPECTED["examples"]
-    for what in ("skipped decodes", "chunked prefills", "stale drafts", "aborts", "drafts accepted",
-                 "streams closed midway", "checks: seeded sample independent of batch and skips"):
-        assert STATS[what] > 0, f"the fuzz never exercised: {what}"
-    assert STATS["drafts accepted"] < STATS["drafts verified"]  # some drafts were rejected too

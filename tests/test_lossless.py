@@ -8,9 +8,15 @@ With a draft, t1 comes from the prefill (no drafts) while t2 and t3 go through t
 sampler (drafts d1 and d2 of the first verification). The same counts tested against the laws of
 two broken engines (every draft accepted; rejected drafts resampled from p instead of the residual)
 must fail, so the tests can fail. Acceptance counts are tested against the exact acceptance
-probabilities E[sum min(p, q)].
+probabilities E[sum min(p, q)]. With k = 1, t3 is the bonus token whenever d1 was accepted.
+Two more runs keep the laws: a token budget that skips decodes so that (sharded cache) drafts go
+stale, and tp = 2 under torchrun (gloo), with skips as well.
 """
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,10 +31,12 @@ PROMPT = [5, 17, 9, 3, 30, 1]
 N = 6000  # requests per setting
 ALPHA = 1e-3  # reject the law when p < ALPHA
 NUM_TOKENS = 3
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (name, sampling settings, k)
 SETTINGS = [
     ("T=1", dict(temperature=1.0), 3),
+    ("T=1,k=1", dict(temperature=1.0), 1),  # t3 is the bonus token whenever d1 is accepted
     ("T=0.7", dict(temperature=0.7), 2),
     ("T=1.3", dict(temperature=1.3), 3),
     ("top_k=5", dict(top_k=5), 2),
@@ -110,15 +118,16 @@ def hf_models(target_dir, draft_dir):
 
 @pytest.fixture(scope="module")
 def engines(target_dir, draft_dir):
-    """One LLM per (k, device) (with the draft; k = 0: target-only), built on first use."""
+    """One LLM per k (with the draft; 0: target only) and LLM settings (device=...), built on first use."""
     cache = {}
 
-    def get(k: int, device: str = "cpu") -> LLM:
-        if (k, device) not in cache:
+    def get(k: int, **kwargs) -> LLM:
+        key = (k, tuple(sorted(kwargs.items())))
+        if key not in cache:
             draft = dict(draft=draft_dir, num_speculative_tokens=k) if k else {}
-            cache[k, device] = LLM(target=target_dir, max_num_seqs=256, max_num_batched_tokens=4096, device=device,
-                                   **draft)
-        return cache[k, device]
+            cache[key] = LLM(target=target_dir, **dict(dict(max_num_seqs=256, max_num_batched_tokens=4096), **kwargs),
+                             **draft)
+        return cache[key]
 
     return get
 
@@ -127,10 +136,14 @@ def sample_counts(llm: LLM, settings: dict, seed0: int):
     """Run N seeded requests of PROMPT for NUM_TOKENS tokens; counts [NUM_TOKENS, V] and the outputs."""
     params = [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=seed0 + i, **settings) for i in range(N)]
     outs = llm.generate([PROMPT] * N, params)
-    tokens = torch.tensor([o.token_ids for o in outs])  # [N, NUM_TOKENS]
+    return counts_of([o.token_ids for o in outs]), outs
+
+
+def counts_of(token_ids: list[list[int]]) -> torch.Tensor:
+    """Counts [NUM_TOKENS, V] of each generated position over the requests."""
+    tokens = torch.tensor(token_ids)  # [N, NUM_TOKENS]
     assert tokens.shape == (N, NUM_TOKENS)
-    counts = torch.stack([torch.bincount(tokens[:, j], minlength=VOCAB) for j in range(NUM_TOKENS)])  # [3, V]
-    return counts, outs
+    return torch.stack([torch.bincount(tokens[:, j], minlength=VOCAB) for j in range(NUM_TOKENS)])  # [3, V]
 
 
 def check_marginals(label: str, counts: torch.Tensor, laws: list[torch.Tensor]) -> None:
@@ -154,7 +167,7 @@ def test_chi2_sf_matches_closed_forms():
 def test_speculative_sampling_matches_target_law(engines, hf_models, name, settings, k, device):
     idx = [s[0] for s in SETTINGS].index(name)
     exact = ExactLaws(*hf_models, SamplingParams(**settings))
-    counts, outs = sample_counts(engines(k, device), settings, seed0=1_000_000 * (idx + 1))
+    counts, outs = sample_counts(engines(k, device=device), settings, seed0=1_000_000 * (idx + 1))
     check_marginals(f"draft k={k} {name} {device}", counts, exact.target())
 
     # The same t2 counts reject the laws of two broken engines: the test above can fail.
@@ -167,9 +180,9 @@ def test_speculative_sampling_matches_target_law(engines, hf_models, name, setti
     # finishes after one verification; one that rejects d1 needs a second.
     a1, a12 = exact.acceptance()
     first = [o for o in outs if o.metrics["num_drafts"] == 1]
-    accepted_two = sum(o.metrics["accepted_per_position"][1] for o in first)
+    accepted_two = sum(o.metrics["accepted_per_position"][1] for o in first) if k > 1 else 0
     assert all(o.metrics["num_drafts"] in (1, 2) and o.metrics["num_stale_drafts"] == 0 for o in outs)
-    for what, got, prob in (("d1", len(first), a1), ("d1,d2", accepted_two, a12)):
+    for what, got, prob in (("d1", len(first), a1), ("d1,d2", accepted_two, a12))[:k]:
         z, p = binomial_test(got, N, prob)
         print(f"\n[lossless] draft k={k} {name} P({what} accepted): exact={prob:.4f} "
               f"observed={got / N:.4f} z={z:+.2f} p={p:.4f}", end="")
@@ -181,9 +194,46 @@ def test_speculative_sampling_matches_target_law(engines, hf_models, name, setti
 def test_target_only_sampling_matches_target_law(engines, hf_models, name, settings, k, device):
     exact = ExactLaws(*hf_models, SamplingParams(**settings))
     idx = [s[0] for s in TARGET_ONLY_SETTINGS].index(name)
-    counts, _ = sample_counts(engines(0, device), settings, seed0=100_000_000 + 1_000_000 * idx)
+    counts, _ = sample_counts(engines(0, device=device), settings, seed0=100_000_000 + 1_000_000 * idx)
     check_marginals(f"target-only {name} {device}", counts, exact.target())
     # And not the draft's law: sanity of the statistic on t1, which the prefill samples from p.
     stat, dof, p, _ = chi2_test(counts[0], next_token_probs(hf_models[1], [PROMPT], SamplingParams(**settings))[0])
     print(f"\n[lossless] target-only {name} t1 vs draft law: chi2={stat:.2f} dof={dof} p={p:.2e}", end="")
     assert p < ALPHA
+
+
+def test_skips_and_stale_drafts_keep_the_target_law(engines, hf_models):
+    """A token budget of 12 decodes for 16 running requests: the skipped requests keep their drafts, and with
+    a sharded cache their rows go to the requests drafting in their place, so many drafts go stale (drawn
+    from the request's own q, while the row now holds another request's). Stale drafts are rejected and
+    their tokens drawn from p: the laws stay the target's."""
+    settings = dict(temperature=1.0)
+    exact = ExactLaws(*hf_models, SamplingParams(**settings))
+    llm = engines(2, max_num_seqs=16, max_num_batched_tokens=36, shard_draft_logits=True)
+    counts, outs = sample_counts(llm, settings, seed0=500_000_000)
+    check_marginals("draft k=2 skips + stale", counts, exact.target())
+    stale = sum(o.metrics["num_stale_drafts"] for o in outs)
+    drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
+    accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
+    print(f"\n[lossless] skips + stale: {stale} of {drafted} drafts stale, {accepted} accepted", end="")
+    assert 0.1 * drafted < stale < 0.9 * drafted and accepted > 0.1 * drafted
+
+
+def test_tp2_sampling_matches_target_law(target_dir, draft_dir, hf_models, tmp_path):
+    """tp = 2 under torchrun (gloo): vocabulary-sharded logits, batch-sharded verification and a sharded draft-logits
+    cache; a budget that skips decodes, so drafts also go stale across ranks."""
+    settings = dict(temperature=0.9, top_k=20)
+    cfg = dict(target=target_dir, draft=draft_dir, k=2, prompt=PROMPT, n=N, seed0=700_000_000, settings=settings,
+               max_tokens=NUM_TOKENS, llm=dict(max_num_seqs=64, max_num_batched_tokens=160),
+               out=str(tmp_path / "tp2.json"))
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MINISPEC_DIST_TIMEOUT="120")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "tests", "dist_scripts", "lossless_tp.py"), str(tmp_path / "cfg.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads((tmp_path / "tp2.json").read_text())
+    check_marginals("tp=2 draft k=2 T=0.9,top_k=20", counts_of(result["tokens"]),
+                    ExactLaws(*hf_models, SamplingParams(**settings)).target())
+    stale = sum(m["num_stale_drafts"] for m in result["metrics"])
+    print(f"\n[lossless] tp=2: {stale} stale drafts", end="")

@@ -1,0 +1,211 @@
+"""Mutation check: deliberate bugs in the sampler, the draft-logits cache and the engine that the tests must catch.
+
+    python scripts/mutants.py            # every mutant
+    python scripts/mutants.py NAME ...   # some of them (--list names them)
+
+Each mutant is one exact source edit (old text -> new text in one file) and the few tests that should catch it.
+The repository (tracked and untracked, not ignored files) is copied once to a temporary directory; each mutant
+is applied there, its tests run (pytest -x -q, TRITON_INTERPRET=1), and the file is restored. The working
+tree is never modified. A mutant is killed when its tests fail. Before anything runs, every edit must apply
+exactly once: when the code has moved, the script stops with "mutation NAME no longer applies: ...", and the
+mutant's old text (and its tests) must be re-pointed. The tests are first run on the unmutated copy, which
+must pass. Prints one line per mutant, then "N/N mutants killed"; exits 0 only when every mutant is killed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLER = "minispec/spec_decode/rejection_sampler.py"
+ENGINE = "minispec/engine/engine.py"
+
+EXACT = ["tests/test_rejection_sampler.py", "-k", "exact_law"]
+TRITON = ["tests/test_rejection_sampler.py", "-k", "probes_triton"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: files, node ids, -k expressions
+
+
+MUTANTS = [
+    # ---- the rejection sampler: torch reference
+    Mutant("ref: bonus token drawn from the residual norm(max(0, p - q))", SAMPLER,
+           "    final_ok = ok.gather(1, num_accepted.unsqueeze(1))",
+           "    final_ok = (ok | ~is_draft).gather(1, num_accepted.unsqueeze(1))", tuple(EXACT)),
+    Mutant("ref: stale / -1 drafts replaced by a residual draw instead of a draw from p", SAMPLER,
+           "    final_ok = ok.gather(1, num_accepted.unsqueeze(1))",
+           "    final_ok = (ok | is_draft).gather(1, num_accepted.unsqueeze(1))", tuple(EXACT)),
+    Mutant("ref: bonus token drawn from q", SAMPLER,
+           "    pf = p[final_row]  # [num_reqs, V]",
+           "    pf = torch.where((num_accepted == num_rows - 1).unsqueeze(1), q[final_row], p[final_row])",
+           tuple(EXACT)),
+    Mutant("ref: accept when u * q <= 1.05 * p", SAMPLER,
+           "    accepted = ok & (u * qd < pd)", "    accepted = ok & (u * qd <= 1.05 * pd)", tuple(EXACT)),
+    # ---- the rejection sampler: Triton kernel (under TRITON_INTERPRET=1)
+    Mutant("triton: bonus token drawn from the residual", SAMPLER,
+           "    final_ok = tl.zeros([], dtype=tl.int32)", "    final_ok = tl.full([], 1, tl.int32)", tuple(TRITON)),
+    Mutant("triton: stale / -1 drafts replaced by a residual draw", SAMPLER,
+           "final_ok = tl.where(live & ~acc, ok.to(tl.int32), final_ok)",
+           "final_ok = tl.where(live & ~acc, 1, final_ok)", tuple(TRITON)),
+    Mutant("triton: bonus token drawn from q", SAMPLER,
+           "        qv = tl.load(q_ptr + row * V + cols, mask=m, other=0.0)\n",
+           "        qv = tl.load(q_ptr + row * V + cols, mask=m, other=0.0)\n"
+           "        pv = tl.where(num_accepted == num_drafts, qv, pv)\n", tuple(TRITON)),
+    Mutant("triton: accept when u * q <= 1.05 * p", SAMPLER,
+           "acc = ok & (u * qd < pd)", "acc = ok & (u * qd <= 1.05 * pd)", tuple(TRITON)),
+    # ---- p and q
+    Mutant("top-p applied to the target but not to q", SAMPLER,
+           "probs_from_logits(draft_logits, t, k, p)", "probs_from_logits(draft_logits, t, k, torch.ones_like(p))",
+           tuple(EXACT)),
+    Mutant("tiny temperatures: logits / T overflows again", "minispec/sample/sampler.py",
+           "    small = t < SHIFT_BELOW_T  # [N]", "    small = t < 0  # [N]",
+           ("tests/test_sampling.py", "-k", "tiny")),
+    # ---- the draft-logits cache
+    Mutant("stale flags never set (torch)", "minispec/spec_decode/draft_logits.py",
+           "    return reads_cache & ((row < 0) | (last_slot != slot))", "    return reads_cache & (row < -1)",
+           ("tests/test_fuzz.py::test_stale_drafts_when_requests_take_turns[self-sharded]",)),
+    Mutant("stale flags never set (Triton)", "minispec/spec_decode/draft_logits.py",
+           "    stale = reads_cache & ((row < 0) | (last_slot != slot))", "    stale = reads_cache & (row < -1)",
+           ("tests/test_draft_logits.py", "-k", "kernels_match_torch")),
+    # ---- the engine
+    Mutant("no KV rollback of the draft", ENGINE,
+           "            r.num_draft_computed = min(r.num_draft_computed, r.num_computed)\n", "",
+           ("tests/test_engine.py::test_draft_logits_are_the_draft_models_on_the_accepted_context",)),
+    Mutant("no KV rollback of the target", ENGINE,
+           "            r.num_computed = len(r.token_ids) + num_accepted",
+           "            r.num_computed = len(r.token_ids) + r.num_drafts",
+           ("tests/test_engine.py::test_speculative_greedy_equals_transformers",)),
+    Mutant("tokens emitted after a stop token (inside an accepted run)", ENGINE,
+           "            if t in stops:\n", "            if t in stops and t == toks[-1]:\n",
+           ("tests/test_engine.py::test_metrics_count_what_was_emitted",)),
+    Mutant("metrics count accepted drafts that were never emitted", ENGINE,
+           "                m.num_accepted_tokens += min(num_accepted, len(new))",
+           "                m.num_accepted_tokens += num_accepted",
+           ("tests/test_engine.py::test_metrics_count_what_was_emitted",)),
+    Mutant("seeded requests take the batch's adaptive k", "minispec/spec_decode/adaptive.py",
+           "        return self.seeded_costs is not None and req.params.seed is not None", "        return False",
+           ("tests/test_engine.py::test_seeded_requests_reproducible_under_adaptive_k",)),
+]
+
+
+def copy_repo(dest: str) -> None:
+    """Copy the tracked and untracked, not ignored, files of the repository into dest."""
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                         capture_output=True).stdout
+    for rel in filter(None, out.decode().split("\0")):
+        src = os.path.join(ROOT, rel)
+        if not os.path.isfile(src):  # deleted but still tracked
+            continue
+        os.makedirs(os.path.dirname(os.path.join(dest, rel)) or dest, exist_ok=True)
+        shutil.copy2(src, os.path.join(dest, rel))
+
+
+def check_applies(mutants: list[Mutant]) -> list[str]:
+    """The mutants whose old text does not occur exactly once (a loud message each)."""
+    errors = []
+    for m in mutants:
+        with open(os.path.join(ROOT, m.path)) as f:
+            n = f.read().count(m.old)
+        if n != 1:
+            why = "pattern not found" if n == 0 else f"pattern found {n} times"
+            errors.append(f"mutation {m.name!r} no longer applies: {why} in {m.path}: {m.old.strip()!r}")
+    return errors
+
+
+def run_tests(copy: str, args: tuple[str, ...]) -> tuple[int, str]:
+    """pytest -x -q on the copy; (exit code, output)."""
+    env = dict(os.environ, PYTHONPATH=copy, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rf", *args]
+    r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
+    return r.returncode, r.stdout + r.stderr
+
+
+def failed_test(output: str) -> str:
+    """The first failing test named in pytest's summary."""
+    found = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    return found.group(1) if found else "?"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="run only mutants whose name contains one of these")
+    parser.add_argument("--list", action="store_true", help="list the mutants and their tests")
+    args = parser.parse_args()
+    mutants = [m for m in MUTANTS if not args.names or any(n in m.name for n in args.names)]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name}  [{m.path}]  tests: {' '.join(m.tests)}")
+        return 0
+    errors = check_applies(mutants)
+    if errors:
+        print("\n".join(errors), file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    copy = tempfile.mkdtemp(prefix="minispec-mutants-")
+    try:
+        copy_repo(copy)
+        rc, out = run_tests(copy, baseline_args(mutants))
+        if rc != 0:
+            print(f"the tests fail without any mutant ({failed_test(out)}):\n{out[-3000:]}", file=sys.stderr)
+            return 2
+        print(f"baseline: the mutants' tests pass unmutated ({time.perf_counter() - t_start:.0f} s)")
+        killed = 0
+        for m in mutants:
+            path = os.path.join(copy, m.path)
+            with open(path) as f:
+                original = f.read()
+            t0 = time.perf_counter()
+            try:
+                with open(path, "w") as f:
+                    f.write(original.replace(m.old, m.new, 1))
+                rc, out = run_tests(copy, m.tests)
+            finally:
+                with open(path, "w") as f:
+                    f.write(original)
+            dt = time.perf_counter() - t0
+            if rc == 1:
+                killed += 1
+                print(f"killed    {m.name}  by {failed_test(out)}  ({dt:.0f} s)", flush=True)
+            elif rc == 0:
+                print(f"SURVIVED  {m.name}  ({' '.join(m.tests)} passed, {dt:.0f} s)", flush=True)
+            else:
+                print(f"ERROR     {m.name}  (pytest exit {rc}: {failed_test(out)}, {dt:.0f} s)\n{out[-2000:]}",
+                      flush=True)
+        print(f"{killed}/{len(mutants)} mutants killed ({time.perf_counter() - t_start:.0f} s)")
+        return 0 if killed == len(mutants) else 1
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def baseline_args(mutants: list[Mutant]) -> tuple[str, ...]:
+    """One pytest selection covering every mutant's tests: their files and node ids, and a -k that ORs the
+    mutants' -k expressions with the names of the tests given by node id."""
+    paths, keywords = [], []
+    for m in mutants:
+        args = list(m.tests)
+        if "-k" in args:
+            i = args.index("-k")
+            keywords.append(f"({args[i + 1]})")
+            del args[i : i + 2]
+        for a in args:
+            paths.append(a)
+            if "::" in a:
+                keywords.append(a.split("::")[1].split("[")[0])
+    return (*dict.fromkeys(paths), "-k", " or ".join(dict.fromkeys(keywords)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
