@@ -141,8 +141,8 @@ def sample_counts(llm: LLM, settings: dict, seed0: int):
 
 def counts_of(token_ids: list[list[int]]) -> torch.Tensor:
     """Counts [NUM_TOKENS, V] of each generated position over the requests."""
-    tokens = torch.tensor(token_ids)  # [N, NUM_TOKENS]
-    assert tokens.shape == (N, NUM_TOKENS)
+    tokens = torch.tensor(token_ids)  # [num_requests, NUM_TOKENS]
+    assert tokens.shape == (len(token_ids), NUM_TOKENS)
     return torch.stack([torch.bincount(tokens[:, j], minlength=VOCAB) for j in range(NUM_TOKENS)])  # [3, V]
 
 
@@ -203,28 +203,29 @@ def test_target_only_sampling_matches_target_law(engines, hf_models, name, setti
 
 
 def test_skips_and_stale_drafts_keep_the_target_law(engines, hf_models):
-    """A token budget of 12 decodes for 16 running requests: the skipped requests keep their drafts, and with
-    a sharded cache their rows go to the requests drafting in their place, so many drafts go stale (drawn
-    from the request's own q, while the row now holds another request's). Stale drafts are rejected and
+    """A token budget of 200 for 64 running requests (prefills of 6 tokens, decodes of 3): skipped requests
+    keep their drafts, and with a sharded cache their rows go to the requests drafting in their place, so
+    many drafts go stale (drawn from the request's own q, while the row now holds another request's). Stale drafts are rejected and
     their tokens drawn from p: the laws stay the target's."""
     settings = dict(temperature=1.0)
     exact = ExactLaws(*hf_models, SamplingParams(**settings))
-    llm = engines(2, max_num_seqs=16, max_num_batched_tokens=36, shard_draft_logits=True)
+    llm = engines(2, max_num_seqs=64, max_num_batched_tokens=200, shard_draft_logits=True)
     counts, outs = sample_counts(llm, settings, seed0=500_000_000)
     check_marginals("draft k=2 skips + stale", counts, exact.target())
     stale = sum(o.metrics["num_stale_drafts"] for o in outs)
     drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
     accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
     print(f"\n[lossless] skips + stale: {stale} of {drafted} drafts stale, {accepted} accepted", end="")
-    assert 0.1 * drafted < stale < 0.9 * drafted and accepted > 0.1 * drafted
+    assert 0.2 * drafted < stale < 0.8 * drafted and accepted > 0.1 * drafted
 
 
 def test_tp2_sampling_matches_target_law(target_dir, draft_dir, hf_models, tmp_path):
     """tp = 2 under torchrun (gloo): vocabulary-sharded logits, batch-sharded verification and a sharded draft-logits
-    cache; a budget that skips decodes, so drafts also go stale across ranks."""
+    cache; a budget that skips decodes, so drafts also go stale across ranks. N / 2 requests (two processes on
+    a 2-core machine are slow)."""
     settings = dict(temperature=0.9, top_k=20)
-    cfg = dict(target=target_dir, draft=draft_dir, k=2, prompt=PROMPT, n=N, seed0=700_000_000, settings=settings,
-               max_tokens=NUM_TOKENS, llm=dict(max_num_seqs=64, max_num_batched_tokens=160),
+    cfg = dict(target=target_dir, draft=draft_dir, k=2, prompt=PROMPT, n=N // 2, seed0=700_000_000, settings=settings,
+               max_tokens=NUM_TOKENS, llm=dict(max_num_seqs=64, max_num_batched_tokens=200),
                out=str(tmp_path / "tp2.json"))
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MINISPEC_DIST_TIMEOUT="120")
