@@ -14,8 +14,12 @@ def _is_int(x) -> bool:
 class SamplingParams:
     """How one request samples: temperature, then top-k, then top-p (transformers' warpers).
 
-    temperature 0 means greedy. A seed makes the request's tokens independent of the batch it
-    runs in (and of the TP rank that verifies it).
+    temperature 0 means greedy (and any T below 1e-4 is computed without overflow: T = 1e-40 is the argmax).
+    A seed makes the request's tokens the same run to run, in any batch and whichever TP rank verifies it,
+    given the same models and LLM settings, also with adaptive k (a seeded request chooses its own k from
+    its own state) -- unless one of its drafts goes stale (a sharded draft-logits cache, the default at
+    tp > 1, and a token budget that skips its decode), or batched forwards round differently from the
+    request's alone (not on the CPU; possible with GPU kernels). DESIGN.md, Randomness, says exactly what holds.
     """
 
     temperature: float = 1.0

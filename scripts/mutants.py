@@ -127,7 +127,8 @@ def check_applies(mutants: list[Mutant]) -> list[str]:
 
 def run_tests(copy: str, args: tuple[str, ...]) -> tuple[int, str]:
     """pytest -x -q on the copy; (exit code, output)."""
-    env = dict(os.environ, PYTHONPATH=copy, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, PYTHONPATH=copy, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1",
+               MINISPEC_FUZZ_SHRINK="0")  # a killed mutant needs no minimal example
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rf", *args]
     r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
     return r.returncode, r.stdout + r.stderr

@@ -34,7 +34,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import minispec.engine.engine as engine_mod
@@ -46,6 +46,8 @@ MAX_NUM_SEQS = 4
 EOS = 2  # the tiny checkpoints' eos_token_id
 STALE_VARIANTS = ["self-sharded", "ngram-sharded", "draft-sharded"]
 SCALE = float(os.environ.get("MINISPEC_FUZZ_SCALE", "1"))  # multiplies every test's number of examples
+# MINISPEC_FUZZ_SHRINK=0 reports a failing example as found, without shrinking it (scripts/mutants.py).
+PHASES = tuple(p for p in Phase if os.environ.get("MINISPEC_FUZZ_SHRINK", "1") != "0" or p != Phase.shrink)
 
 
 def fuzz(examples: int, body, *args) -> Counter:
@@ -55,7 +57,7 @@ def fuzz(examples: int, body, *args) -> Counter:
     before = STATS.copy()
 
     @given(data=st.data())
-    @settings(max_examples=n, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=n, deadline=None, derandomize=True, database=None, phases=PHASES,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     def run(data):
         body(*args, data)
@@ -182,17 +184,22 @@ def spy_proposer(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def llms(tmp_path_factory):
+    """name -> LLM of that variant, each built on first use (a test of one variant builds two)."""
     target = make_tiny_model_dir(str(tmp_path_factory.mktemp("fz_target")), seed=0)
     draft = make_tiny_model_dir(str(tmp_path_factory.mktemp("fz_draft")), seed=1, num_hidden_layers=1)
-    out = {}
-    for name, (kind, k, sharded) in VARIANTS.items():
-        spec = {"draft": draft, "target": target, "ngram": "ngram", None: None}[kind]
-        llm = LLM(target=target, draft=spec, num_speculative_tokens=max(k, 1), max_num_seqs=MAX_NUM_SEQS,
-                  max_model_len=MAX_MODEL_LEN, shard_draft_logits=sharded, seed=0, ngram_n=(1, 3))
-        spy_scheduler(llm)
-        spy_proposer(llm)
-        out[name] = llm
-    return out
+
+    class Variants(dict):
+        def __missing__(self, name):
+            kind, k, sharded = VARIANTS[name]
+            spec = {"draft": draft, "target": target, "ngram": "ngram", None: None}[kind]
+            llm = LLM(target=target, draft=spec, num_speculative_tokens=max(k, 1), max_num_seqs=MAX_NUM_SEQS,
+                      max_model_len=MAX_MODEL_LEN, shard_draft_logits=sharded, seed=0, ngram_n=(1, 3))
+            spy_scheduler(llm)
+            spy_proposer(llm)
+            self[name] = llm
+            return llm
+
+    return Variants()
 
 
 def spy_scheduler(llm: LLM) -> None:
