@@ -19,7 +19,7 @@ def simulate(alpha: float, k: int, num_requests: int, steps: int, seed: int = 0)
         accepted = np.argmin(np.concatenate([rng.random((steps, k)) < alpha, np.zeros((steps, 1), bool)], axis=1),
                              axis=1)  # [steps] drafts accepted before the first rejection (k if none)
         metrics = {"num_drafts": steps, "num_draft_tokens": steps * k, "num_accepted_tokens": int(accepted.sum()),
-                   "num_stale_drafts": 0, "accepted_per_position": [int((accepted > j).sum()) for j in range(k)]}
+                   "num_emitted_tokens": int((accepted + 1).sum()), "num_stale_drafts": 0, "accepted_per_position": [int((accepted > j).sum()) for j in range(k)]}
         num_tokens = 1 + int((accepted + 1).sum())  # the prefill's token, then accepted + 1 per step
         outs.append(SimpleNamespace(metrics=metrics, token_ids=[0] * num_tokens))
     return outs

@@ -10,8 +10,10 @@ first rejection, and emits on average expected_tokens(alpha, k) = (1 - alpha^(k+
   alpha under the model; on real drafts below per_token_agreement, since a verification starts right
   after a rejection and misses come in runs.
 - alpha_mle: the maximum-likelihood alpha of the model from the accept counts of fixed-k runs.
-- tau (mean_accepted_length): tokens per verification with drafts, 1 + accepted / verifications
-  (RequestMetrics.mean_accepted_length); expected_tokens(alpha, k) under the model.
+- tau (mean_accepted_length): tokens emitted per verification with drafts, 1 + accepted / verifications
+  unless a stop or max_tokens cut a run (RequestMetrics.mean_accepted_length); expected_tokens(alpha, k)
+  under the model. The counters count what was emitted: a run cut by a stop or max_tokens (at most one
+  per request, its last) counts only its emitted drafts as accepted, which alpha_mle reads as a rejection.
 - per_token_agreement: along a text, the fraction of positions where the draft's greedy token is the
   target's (teacher-forced); alpha under the model. tau_from_agreement: its capped runs as tau.
 - predicted_speedup(alpha, k, c, verify_ratio): expected tokens over the cost of a step in target
@@ -29,7 +31,7 @@ from minispec.spec_decode.adaptive import expected_tokens, predicted_speedup
 __all__ = ["aggregate", "alpha_mle", "expected_tokens", "first_position_rate", "per_token_agreement",
            "predicted_speedup", "tau_from_agreement"]
 
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_stale_drafts")
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_stale_drafts")
 
 
 def aggregate(outputs) -> dict:
