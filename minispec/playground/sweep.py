@@ -140,6 +140,7 @@ def make_row(res: dict, k: int, costs: dict, draft_name: str | None) -> dict:
         "num_drafts": nd,
         "num_draft_tokens": res["num_draft_tokens"],
         "num_accepted_tokens": res["num_accepted_tokens"],
+        "num_emitted_tokens": res["num_emitted_tokens"],
         "num_stale_drafts": res["num_stale_drafts"],
         "alpha": alpha,
         "acceptance_rate": res["acceptance_rate"],
