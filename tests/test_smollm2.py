@@ -165,3 +165,15 @@ def test_tight_budget_skips_and_still_equals_transformers(hf_outputs):
     assert sum(skipped) > 0 and sum(chunks) > 0
     # A skipped request's drafts stay valid (replicated draft-logits cache): all are accepted.
     assert m["num_stale_drafts"] == 0 and m["acceptance_rate"] == 1.0
+
+
+def test_default_llm_seeded_sampling_is_reproducible():
+    """The reported case: LLM() (the shipped draft, adaptive k), T = 0.8, top_p = 0.95, seed = 1234 gave two outputs
+    run alone twice and a third in a batch of four. A seeded request now chooses its own k from its own state."""
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=1234)
+    unseeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32)
+    llm = LLM(max_num_seqs=4)
+    alone = llm.generate([PROMPTS[0]], seeded, use_chat_template=True)[0].token_ids
+    assert llm.generate([PROMPTS[0]], seeded, use_chat_template=True)[0].token_ids == alone
+    batch = llm.generate(PROMPTS, [seeded, unseeded, unseeded, unseeded], use_chat_template=True)
+    assert batch[0].token_ids == alone
