@@ -19,7 +19,7 @@ import torch
 from minispec.distributed import get_tp_group
 from minispec.sampling_params import SamplingParams
 
-SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_stale_drafts")
+SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_stale_drafts")
 
 
 @dataclass(slots=True)
