@@ -1,0 +1,208 @@
+// Exact float32 linear layers over GGUF-packed weight rows (Q4_0, Q4_1, Q8_0, F16, BF16), CPU.
+//
+// A weight row of K values is stored as ceil(K / 32) groups of 32 in the file's block format.
+// Each group unpacks to 32 integer codes q (or 32 floats for F16/BF16) with a scale d and a
+// minimum m; the row's value is d * q + m. The layer computes, per group,
+// d * sum(q * x) + m * sum(x), with float32 activations and float32 accumulation: the same real
+// number as x . (d * q + m); only the rounding order differs from F.linear over the dequantised row.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MS_AVX2 1
+#endif
+
+namespace {
+
+// GGML type ids (ggml.h).
+constexpr int64_t F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30;
+constexpr int64_t GROUP = 32;
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef MS_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) { bits = sign; } else {  // subnormal: renormalise
+      int e = -1; uint32_t m = man;
+      do { e++; m <<= 1; } while (!(m & 0x400));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+  } else if (exp == 31) { bits = sign | 0x7f800000 | (man << 13); }
+  else { bits = sign | ((exp + 112) << 23) | (man << 13); }
+  float f; std::memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+inline float bf16_to_float(const uint8_t* p) {
+  uint16_t h; std::memcpy(&h, p, 2);
+  uint32_t bits = (uint32_t)h << 16; float f; std::memcpy(&f, &bits, 4); return f;
+}
+
+int64_t group_bytes(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    case F16: case BF16: return 64;
+    default: TORCH_CHECK(false, "packed kernel: unsupported GGML type id ", qtype);
+  }
+}
+
+// Row bytes of K values: F16/BF16 rows hold exactly K values, block types whole groups.
+int64_t row_bytes(int64_t qtype, int64_t K) {
+  if (qtype == F16 || qtype == BF16) return 2 * K;
+  return (K / GROUP) * group_bytes(qtype);
+}
+
+// Unpack one row: w[G * 32] codes (zero past K), d[G], m[G] (zero unless Q4_1).
+void unpack_row(int64_t qtype, const uint8_t* row, int64_t K, float* w, float* d, float* m) {
+  const int64_t G = (K + GROUP - 1) / GROUP;
+  switch (qtype) {
+    case Q4_0: case Q4_1: {
+      const int64_t gb = group_bytes(qtype), off = qtype == Q4_1 ? 4 : 2;
+      const float shift = qtype == Q4_0 ? -8.0f : 0.0f;
+      for (int64_t g = 0; g < G; g++) {
+        const uint8_t* b = row + g * gb;
+        d[g] = half_to_float(b);
+        m[g] = qtype == Q4_1 ? half_to_float(b + 2) : 0.0f;
+        const uint8_t* qs = b + off;
+        float* wg = w + g * GROUP;
+        for (int j = 0; j < 16; j++) {
+          wg[j] = (float)(qs[j] & 15) + shift;
+          wg[j + 16] = (float)(qs[j] >> 4) + shift;
+        }
+      }
+      break;
+    }
+    case Q8_0: {
+      for (int64_t g = 0; g < G; g++) {
+        const uint8_t* b = row + g * 34;
+        d[g] = half_to_float(b);
+        m[g] = 0.0f;
+        const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+        float* wg = w + g * GROUP;
+        for (int j = 0; j < 32; j++) wg[j] = (float)qs[j];
+      }
+      break;
+    }
+    case F16: case BF16: {
+      for (int64_t k = 0; k < K; k++) w[k] = qtype == F16 ? half_to_float(row + 2 * k) : bf16_to_float(row + 2 * k);
+      for (int64_t k = K; k < G * GROUP; k++) w[k] = 0.0f;
+      for (int64_t g = 0; g < G; g++) { d[g] = 1.0f; m[g] = 0.0f; }
+      break;
+    }
+  }
+}
+
+// out[r * ldo] = sum_g d[g] * (w_g . x_r,g) for RT activation rows x (row stride ldx, zero padded to G * 32).
+template <int RT>
+inline void dot_rows(const float* w, const float* d, int64_t G, const float* x, int64_t ldx, float* out, int64_t ldo) {
+#ifdef MS_AVX2
+  __m256 acc[RT];
+  for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    const float* wg = w + g * GROUP;
+    const __m256 w0 = _mm256_loadu_ps(wg), w1 = _mm256_loadu_ps(wg + 8);
+    const __m256 w2 = _mm256_loadu_ps(wg + 16), w3 = _mm256_loadu_ps(wg + 24);
+    const __m256 dg = _mm256_set1_ps(d[g]);
+    for (int r = 0; r < RT; r++) {
+      const float* xg = x + r * ldx + g * GROUP;
+      __m256 p = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+      p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), p);
+      p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), p);
+      p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), p);
+      acc[r] = _mm256_fmadd_ps(dg, p, acc[r]);
+    }
+  }
+  for (int r = 0; r < RT; r++) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    out[r * ldo] = _mm_cvtss_f32(s);
+  }
+#else
+  for (int r = 0; r < RT; r++) {
+    float acc = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+      float p = 0.0f;
+      for (int j = 0; j < GROUP; j++) p += w[g * GROUP + j] * x[r * ldx + g * GROUP + j];
+      acc += d[g] * p;
+    }
+    out[r * ldo] = acc;
+  }
+#endif
+}
+
+}  // namespace
+
+// x [M, K] float32, w [N, row_bytes] uint8 -> [M, N] float32.
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kFloat, "packed_linear: x must be [M, K] float32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.size(1) == row_bytes(qtype, K),
+              "packed_linear: w must be [N, row_bytes] uint8");
+  TORCH_CHECK(w.stride(1) == 1, "packed_linear: w rows must be contiguous");
+  const int64_t M = x.size(0), N = w.size(0), G = (K + GROUP - 1) / GROUP, Kp = G * GROUP;
+  const bool has_min = qtype == Q4_1;
+  // Activations zero-padded to whole groups; per-group sums of x for the minima.
+  auto xp = torch::zeros({M, Kp}, x.options());
+  xp.narrow(1, 0, K).copy_(x);
+  auto sx = has_min ? xp.view({M, G, GROUP}).sum(2).contiguous() : torch::Tensor();  // [M, G]
+  auto out = torch::empty({M, N}, x.options());
+  const float* xd = xp.data_ptr<float>();
+  const float* sxd = has_min ? sx.data_ptr<float>() : nullptr;
+  const uint8_t* wd = w.data_ptr<uint8_t>();
+  const int64_t wstride = w.stride(0);
+  float* od = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(Kp + 2 * G);
+    float *wf = buf.data(), *d = wf + Kp, *m = d + G;
+    for (int64_t n = begin; n < end; n++) {
+      unpack_row(qtype, wd + n * wstride, K, wf, d, m);
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) dot_rows<4>(wf, d, G, xd + r * Kp, Kp, od + r * N + n, N);
+      for (; r < M; r++) dot_rows<1>(wf, d, G, xd + r * Kp, Kp, od + r * N + n, N);
+      if (has_min) {
+        for (int64_t r2 = 0; r2 < M; r2++) {
+          float s = 0.0f;
+          for (int64_t g = 0; g < G; g++) s += m[g] * sxd[r2 * G + g];
+          od[r2 * N + n] += s;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// w [N, row_bytes] uint8 -> [N, K] float32: d * q + m per value, as gguf's dequantisation computes it.
+torch::Tensor packed_dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.size(1) == row_bytes(qtype, K),
+              "packed_dequantize: w must be [N, row_bytes] uint8");
+  const int64_t N = w.size(0), G = (K + GROUP - 1) / GROUP, Kp = G * GROUP;
+  auto out = torch::empty({N, K}, w.options().dtype(torch::kFloat));
+  const uint8_t* wd = w.data_ptr<uint8_t>();
+  const int64_t wstride = w.stride(0);
+  float* od = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(Kp + 2 * G);
+    float *wf = buf.data(), *d = wf + Kp, *m = d + G;
+    for (int64_t n = begin; n < end; n++) {
+      unpack_row(qtype, wd + n * wstride, K, wf, d, m);
+      float* o = od + n * K;
+      for (int64_t k = 0; k < K; k++) o[k] = d[k / GROUP] * wf[k] + m[k / GROUP];
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("packed_linear", &packed_linear, "x [M, K] f32 @ packed w [N, K]^T -> [M, N] f32");
+  mod.def("packed_dequantize", &packed_dequantize, "packed w [N, K] -> f32 [N, K]");
+}

@@ -1,0 +1,158 @@
+"""Packed weights as GGUF ships them, and exact float32 math on them.
+
+A ``PackedWeight`` holds a [N, K] weight as N rows of bytes in one GGML format: blocks of 32
+values (Q4_0, Q4_1, Q8_0: a float16 scale d, for Q4_1 a float16 minimum m, and 32 codes q) or plain
+F16 / BF16 values. The value of code q is d * (q - 8) (Q4_0), d * q + m (Q4_1) or d * q (Q8_0).
+
+``linear(x, w)`` equals ``F.linear(x.float(), w.dequantize())``, the float32 layer over the
+dequantised weight, up to float32 summation order (it computes d * sum(q * x) + m * sum(x) per
+block): the C++ op on CPU (kernels/packed_cpu.cpp), the Triton kernel on GPU
+(kernels/packed_triton.py), and that reference itself where neither is available.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32  # values per quantisation block
+
+# GGML type id -> (name, bytes per block of GROUP values or, for F16/BF16, per value)
+PACKED_TYPES: dict[int, tuple[str, int]] = {
+    2: ("Q4_0", 18),
+    3: ("Q4_1", 20),
+    8: ("Q8_0", 34),
+    1: ("F16", 2),
+    30: ("BF16", 2),
+}
+F32 = 0
+BLOCK_TYPES = (2, 3, 8)  # the quantised ones: rows are whole blocks
+# Rows multiplied at once above which the CPU dequantises the weight and calls F.linear (prefill).
+DENSE_ROWS = 48
+
+
+def type_name(qtype: int) -> str:
+    return "F32" if qtype == F32 else PACKED_TYPES[qtype][0]
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one packed row of k values."""
+    _, size = PACKED_TYPES[qtype]
+    return (k // GROUP) * size if qtype in BLOCK_TYPES else k * size
+
+
+@dataclass(slots=True)
+class PackedWeight:
+    """A [N, K] weight stored as N packed rows: data [N, row_bytes(qtype, K)] uint8."""
+
+    data: torch.Tensor
+    qtype: int
+    in_features: int
+
+    def __post_init__(self):
+        name = PACKED_TYPES[self.qtype][0]
+        if self.qtype in BLOCK_TYPES and self.in_features % GROUP:
+            raise ValueError(f"{name} rows hold whole blocks of {GROUP}; got {self.in_features} values per row")
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or \
+                self.data.shape[1] != row_bytes(self.qtype, self.in_features):
+            raise ValueError(f"{name} data for rows of {self.in_features} values must be uint8 "
+                             f"[N, {row_bytes(self.qtype, self.in_features)}], got {self.data.dtype} {list(self.data.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.in_features
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def rows(self, start: int, n: int) -> PackedWeight:
+        """Rows [start, start + n) (a view)."""
+        return PackedWeight(self.data[start : start + n], self.qtype, self.in_features)
+
+    def cols(self, start: int, k: int) -> PackedWeight:
+        """Columns [start, start + k) of every row (a copy); a block format needs start and k on block bounds."""
+        if self.qtype in BLOCK_TYPES:
+            if start % GROUP or k % GROUP:
+                raise ValueError(f"a {PACKED_TYPES[self.qtype][0]} weight splits its columns on blocks of {GROUP}; "
+                                 f"columns [{start}, {start + k}) are not block-aligned")
+            size = PACKED_TYPES[self.qtype][1]
+            a, b = start // GROUP * size, (start + k) // GROUP * size
+        else:
+            a, b = start * 2, (start + k) * 2
+        return PackedWeight(self.data[:, a:b].contiguous(), self.qtype, k)
+
+    def permute_rows(self, fn) -> PackedWeight:
+        """Rows reordered by fn, a function of a [N, ...] tensor that permutes its rows (a copy)."""
+        return PackedWeight(fn(self.data).contiguous(), self.qtype, self.in_features)
+
+    def to(self, device) -> PackedWeight:
+        return PackedWeight(self.data.to(device), self.qtype, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K], rounded as gguf's dequantisation rounds it."""
+        if self.data.device.type == "cpu" and (ext := _cpu_ops()) is not None:
+            return ext.packed_dequantize(self.data, self.qtype, self.in_features)
+        return dequantize_ref(self.data, self.qtype, self.in_features)
+
+
+def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """Pure-torch dequantisation of packed rows data [N, row_bytes] -> float32 [N, k]."""
+    n = data.shape[0]
+    if qtype == 1:
+        return data.contiguous().view(torch.float16).float().view(n, k)
+    if qtype == 30:
+        return data.contiguous().view(torch.bfloat16).float().view(n, k)
+    blocks = data.reshape(n, k // GROUP, PACKED_TYPES[qtype][1])  # [N, G, block bytes]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, G, 1]
+    if qtype == 8:
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()  # [N, G, 32]
+        return (d * q).view(n, k)
+    qs = blocks[..., -16:]  # [N, G, 16]: value j in the low nibble of byte j, value j + 16 in the high one
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [N, G, 32]
+    if qtype == 2:
+        return (d * (q - 8)).view(n, k)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float()  # [N, G, 1]
+    return (d * q + m).view(n, k)
+
+
+def linear_ref(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: the float32 layer over the dequantised weight, in x's dtype."""
+    y = F.linear(x.float(), dequantize_ref(w.data, w.qtype, w.in_features), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype: F.linear for a dense weight, exact float32 math for a packed one."""
+    if not isinstance(w, PackedWeight):
+        return F.linear(x, w, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if x.is_cuda:
+        from minispec.kernels.packed_triton import packed_linear_triton
+
+        y = packed_linear_triton(x2, w.data, w.qtype, w.in_features)  # [M, N] float32
+    elif (ext := _cpu_ops()) is None:
+        return linear_ref(x, w, bias)
+    elif x2.shape[0] > DENSE_ROWS:  # a prefill: one float32 GEMM on the weight dequantised for it
+        y = F.linear(x2.float(), ext.packed_dequantize(w.data, w.qtype, w.in_features))
+    else:
+        y = ext.packed_linear(x2.float().contiguous(), w.data, w.qtype, w.in_features)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*lead, y.shape[-1])
+
+
+def embedding(ids: torch.Tensor, w: torch.Tensor | PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of w for ids [...] -> [..., K]; a packed weight dequantises only the rows looked up."""
+    if not isinstance(w, PackedWeight):
+        return F.embedding(ids, w)
+    rows = PackedWeight(w.data[ids.reshape(-1)], w.qtype, w.in_features)
+    return rows.dequantize().to(dtype).view(*ids.shape, w.in_features)
+
+
+def _cpu_ops():
+    from minispec.kernels.packed_cpu import ops
+
+    return ops()
