@@ -141,6 +141,103 @@ inline void dot_rows(const float* w, const float* d, int64_t G, const float* x, 
 #endif
 }
 
+
+#ifdef MS_AVX2
+// One block of 32 codes as 4 x 8 floats, with its scale d and minimum m (0 unless Q4_1).
+template <int64_t QT>
+inline void load_block(const uint8_t* b, __m256 w[4], float& d, float& m) {
+  d = half_to_float(b);
+  if constexpr (QT == Q8_0) {
+    m = 0.0f;
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8)));
+  } else {
+    m = QT == Q4_1 ? half_to_float(b + 2) : 0.0f;
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (QT == Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+    if constexpr (QT == Q4_0) {  // codes q - 8 in [-8, 7]
+      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    }
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// RT activation rows x (stride ldx) against one packed row of G blocks: out[r * ldo] for each r.
+// sx [RT, G] (stride G): per-block sums of x, read for Q4_1's minima only.
+template <int64_t QT, int RT>
+inline void block_row_dot(const uint8_t* row, int64_t G, const float* x, int64_t ldx, const float* sx,
+                          float* out, int64_t ldo) {
+  constexpr int64_t GB = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
+  __m256 acc[RT];
+  float macc[RT];
+  for (int r = 0; r < RT; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
+  for (int64_t g = 0; g < G; g++) {
+    __m256 w[4];
+    float d, m;
+    load_block<QT>(row + g * GB, w, d, m);
+    const __m256 dg = _mm256_set1_ps(d);
+    for (int r = 0; r < RT; r++) {
+      const float* xg = x + r * ldx + g * GROUP;
+      __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
+      p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), p);
+      p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), p);
+      p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), p);
+      acc[r] = _mm256_fmadd_ps(dg, p, acc[r]);
+      if constexpr (QT == Q4_1) macc[r] += m * sx[r * G + g];
+    }
+  }
+  for (int r = 0; r < RT; r++) out[r * ldo] = hsum(acc[r]) + macc[r];
+}
+
+template <int64_t QT>
+void block_rows(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, const float* x,
+                int64_t M, const float* sx, float* out, int64_t N) {
+  const int64_t K = G * GROUP;
+  for (int64_t n = begin; n < end; n++) {
+    const uint8_t* row = wd + n * wstride;
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) block_row_dot<QT, 4>(row, G, x + r * K, K, sx + r * G, out + r * N + n, N);
+    for (; r < M; r++) block_row_dot<QT, 1>(row, G, x + r * K, K, sx + r * G, out + r * N + n, N);
+  }
+}
+
+// Dequantise rows [begin, end): d * q, then + m, rounded separately as gguf's numpy code rounds them.
+template <int64_t QT>
+void block_dequant(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, float* out) {
+  constexpr int64_t GB = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
+  for (int64_t n = begin; n < end; n++) {
+    for (int64_t g = 0; g < G; g++) {
+      __m256 w[4];
+      float d, m;
+      load_block<QT>(wd + n * wstride + g * GB, w, d, m);
+      const __m256 dg = _mm256_set1_ps(d), mg = _mm256_set1_ps(m);
+      float* o = out + (n * G + g) * GROUP;
+      for (int i = 0; i < 4; i++) {
+        __m256 v = _mm256_mul_ps(dg, w[i]);
+        if constexpr (QT == Q4_1) v = _mm256_add_ps(v, mg);
+        _mm256_storeu_ps(o + 8 * i, v);
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 // x [M, K] float32, w [N, row_bytes] uint8 -> [M, N] float32.
@@ -151,17 +248,30 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
   TORCH_CHECK(w.stride(1) == 1, "packed_linear: w rows must be contiguous");
   const int64_t M = x.size(0), N = w.size(0), G = (K + GROUP - 1) / GROUP, Kp = G * GROUP;
   const bool has_min = qtype == Q4_1;
-  // Activations zero-padded to whole groups; per-group sums of x for the minima.
-  auto xp = torch::zeros({M, Kp}, x.options());
-  xp.narrow(1, 0, K).copy_(x);
-  auto sx = has_min ? xp.view({M, G, GROUP}).sum(2).contiguous() : torch::Tensor();  // [M, G]
-  auto out = torch::empty({M, N}, x.options());
+  // Activations zero-padded to whole groups (F16 / BF16 rows of any width; block rows are whole
+  // groups already) and, for Q4_1's minima, per-group sums of x.
+  auto xp = K == Kp ? x.contiguous() : torch::zeros({M, Kp}, x.options());
+  if (K != Kp) xp.narrow(1, 0, K).copy_(x);
   const float* xd = xp.data_ptr<float>();
-  const float* sxd = has_min ? sx.data_ptr<float>() : nullptr;
+  std::vector<float> sx(has_min ? M * G : 0);  // [M, G]
+  for (int64_t i = 0; i < (int64_t)sx.size(); i++) {
+    float s = 0.0f;
+    for (int j = 0; j < GROUP; j++) s += xd[i * GROUP + j];
+    sx[i] = s;
+  }
+  const float* sxd = sx.data();
+  auto out = torch::empty({M, N}, x.options());
   const uint8_t* wd = w.data_ptr<uint8_t>();
   const int64_t wstride = w.stride(0);
   float* od = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+#ifdef MS_AVX2
+    switch (qtype) {
+      case Q4_0: return block_rows<Q4_0>(wd, wstride, begin, end, G, xd, M, sxd, od, N);
+      case Q4_1: return block_rows<Q4_1>(wd, wstride, begin, end, G, xd, M, sxd, od, N);
+      case Q8_0: return block_rows<Q8_0>(wd, wstride, begin, end, G, xd, M, sxd, od, N);
+    }
+#endif
     std::vector<float> buf(Kp + 2 * G);
     float *wf = buf.data(), *d = wf + Kp, *m = d + G;
     for (int64_t n = begin; n < end; n++) {
@@ -191,6 +301,13 @@ torch::Tensor packed_dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
   const int64_t wstride = w.stride(0);
   float* od = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+#ifdef MS_AVX2
+    switch (qtype) {
+      case Q4_0: return block_dequant<Q4_0>(wd, wstride, begin, end, G, od);
+      case Q4_1: return block_dequant<Q4_1>(wd, wstride, begin, end, G, od);
+      case Q8_0: return block_dequant<Q8_0>(wd, wstride, begin, end, G, od);
+    }
+#endif
     std::vector<float> buf(Kp + 2 * G);
     float *wf = buf.data(), *d = wf + Kp, *m = d + G;
     for (int64_t n = begin; n < end; n++) {

@@ -1,12 +1,45 @@
-"""Tensor-parallel linear layers and the vocab-parallel embedding (plain F.linear at tp=1)."""
+"""Tensor-parallel linear layers and the vocab-parallel embedding (plain F.linear at tp=1).
+
+Built with packed=True, a layer allocates nothing until it loads: a PackedWeight (layers/quant.py)
+is kept packed, on the device, and runs the exact packed kernels; a dense tensor becomes a Parameter
+in the layer's dtype. Column shards are whole rows; row-parallel shards split each row's columns
+on quantisation-block bounds (ValueError where tp puts a shard boundary inside a block).
+"""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minispec.distributed import TPGroup
+from minispec.layers.quant import PackedWeight, embedding, linear, row_bytes
 from minispec.utils import cdiv
+
+
+def _dense(rows: int, cols: int, dtype, device, fill_zero: bool = False) -> nn.Parameter:
+    new = torch.zeros if fill_zero else torch.empty
+    return nn.Parameter(new(rows, cols, dtype=dtype, device=device), requires_grad=False)
+
+
+def _rows_like(src: torch.Tensor | PackedWeight, rows: int, cols: int, dtype, device, fill_zero: bool = False):
+    """An empty weight of `rows` rows for src's kind: PackedWeight of src's type (zero bytes are zero
+    values), or a dense Parameter."""
+    if isinstance(src, PackedWeight):
+        new = torch.zeros if fill_zero else torch.empty
+        return PackedWeight(new(rows, row_bytes(src.qtype, cols), dtype=torch.uint8, device=device), src.qtype, cols)
+    return _dense(rows, cols, dtype, device, fill_zero)
+
+
+def _check_kind(dst, src) -> None:
+    """ValueError unless src (a loaded part) is stored like dst: both dense, or packed of one type."""
+    if isinstance(dst, PackedWeight) != isinstance(src, PackedWeight) or \
+            isinstance(dst, PackedWeight) and dst.qtype != src.qtype:
+        kinds = [f"packed type {w.qtype}" if isinstance(w, PackedWeight) else "dense" for w in (dst, src)]
+        raise ValueError(f"the fused parts of one layer are stored differently ({kinds[0]} and {kinds[1]})")
+
+
+def _rows_of(w: torch.Tensor | PackedWeight, start: int, n: int) -> torch.Tensor:
+    """Rows [start, start + n) of a weight's storage (a view)."""
+    return (w.data if isinstance(w, PackedWeight) else w)[start : start + n]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -25,6 +58,7 @@ class ColumnParallelLinear(nn.Module):
         tp_group: TPGroup,
         dtype: torch.dtype,
         device,
+        packed: bool = False,
     ):
         super().__init__()
         tp = tp_group.world_size
@@ -33,7 +67,8 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = [s // tp for s in part_sizes]
         self.local_offsets = [sum(self.local_sizes[:i]) for i in range(len(part_sizes))]
         out_local = sum(self.local_sizes)
-        self.weight = nn.Parameter(torch.empty(out_local, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.in_features, self.dtype, self.device = in_features, dtype, device
+        self.weight = None if packed else _dense(out_local, in_features, dtype, device)
         self.bias = (
             nn.Parameter(torch.zeros(out_local, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
@@ -42,12 +77,15 @@ class ColumnParallelLinear(nn.Module):
         """Copy this rank's shard of part i from its full weight [part_size, in] (and bias [part_size])."""
         n, off = self.local_sizes[i], self.local_offsets[i]
         start = self.rank * n
-        self.weight[off : off + n].copy_(weight[start : start + n])
+        if self.weight is None:
+            self.weight = _rows_like(weight, sum(self.local_sizes), self.in_features, self.dtype, self.device)
+        _check_kind(self.weight, weight)
+        _rows_of(self.weight, off, n).copy_(_rows_of(weight, start, n))
         if self.bias is not None:
             self.bias[off : off + n].copy_(bias[start : start + n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -62,15 +100,15 @@ class RowParallelLinear(nn.Module):
         tp_group: TPGroup,
         dtype: torch.dtype,
         device,
+        packed: bool = False,
     ):
         super().__init__()
         tp = tp_group.world_size
         assert in_features % tp == 0, (in_features, tp)
         self.tp_group = tp_group
         self.in_local = in_features // tp
-        self.weight = nn.Parameter(
-            torch.empty(out_features, self.in_local, dtype=dtype, device=device), requires_grad=False
-        )
+        self.out_features, self.dtype, self.device = out_features, dtype, device
+        self.weight = None if packed else _dense(out_features, self.in_local, dtype, device)
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
@@ -78,14 +116,24 @@ class RowParallelLinear(nn.Module):
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's column shard of the full weight [out, in] (the bias is kept whole)."""
         start = self.tp_group.rank_in_group * self.in_local
-        self.weight.copy_(weight[:, start : start + self.in_local])
+        if isinstance(weight, PackedWeight):
+            shard = weight.cols(start, self.in_local) if self.tp_group.world_size > 1 else weight
+            if self.weight is None:
+                self.weight = _rows_like(weight, self.out_features, self.in_local, self.dtype, self.device)
+            _check_kind(self.weight, shard)
+            self.weight.data.copy_(shard.data)
+        else:
+            if self.weight is None:
+                self.weight = _rows_like(weight, self.out_features, self.in_local, self.dtype, self.device)
+            _check_kind(self.weight, weight)
+            self.weight.copy_(weight[:, start : start + self.in_local])
         if self.bias is not None:
             self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp_group.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp_group.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -96,7 +144,8 @@ class VocabParallelEmbedding(nn.Module):
     serves as a tied LM head (see ``LlamaForCausalLM.compute_logits``).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: TPGroup, dtype: torch.dtype, device):
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: TPGroup, dtype: torch.dtype, device,
+                 packed: bool = False):
         super().__init__()
         tp = tp_group.world_size
         self.tp_group = tp_group
@@ -106,19 +155,21 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_start = tp_group.rank_in_group * self.shard_size
         # Real (unpadded) rows of this rank's shard.
         self.num_real = max(0, min(self.shard_size, vocab_size - self.shard_start))
-        self.weight = nn.Parameter(
-            torch.zeros(self.shard_size, hidden_size, dtype=dtype, device=device), requires_grad=False
-        )
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
+        self.weight = None if packed else _dense(self.shard_size, hidden_size, dtype, device, fill_zero=True)
 
-    def load(self, weight: torch.Tensor) -> None:
-        """Copy this rank's rows of the full [vocab_size, hidden] weight."""
-        self.weight[: self.num_real].copy_(weight[self.shard_start : self.shard_start + self.num_real])
+    def load(self, weight: torch.Tensor | PackedWeight) -> None:
+        """Copy this rank's rows of the full [vocab_size, hidden] weight (padded rows stay zero)."""
+        if self.weight is None:
+            self.weight = _rows_like(weight, self.shard_size, self.hidden_size, self.dtype, self.device, fill_zero=True)
+        _check_kind(self.weight, weight)
+        _rows_of(self.weight, 0, self.num_real).copy_(_rows_of(weight, self.shard_start, self.num_real))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight, self.dtype)
         local = ids - self.shard_start
         in_shard = (local >= 0) & (local < self.shard_size)
-        out = F.embedding(local.masked_fill(~in_shard, 0), self.weight)  # [*ids.shape, hidden]
+        out = embedding(local.masked_fill(~in_shard, 0), self.weight, self.dtype)  # [*ids.shape, hidden]
         out.mul_(in_shard.unsqueeze(-1).to(out.dtype))
         return self.tp_group.all_reduce(out)

@@ -21,6 +21,7 @@ from minispec.layers.activation import silu_mul
 from minispec.layers.attention import AttentionMetadata, ForwardBatch, attention
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from minispec.layers.norm import RMSNorm
+from minispec.layers.quant import PackedWeight, linear
 from minispec.layers.rotary import RotaryEmbedding, interleave_rope_rows
 from minispec.models.errors import ModelLoadError
 
@@ -56,7 +57,7 @@ def check_tp(config, tp: int, name: str) -> None:
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm transformer block; weights are this rank's shards."""
 
-    def __init__(self, config, *, tp_group: TPGroup, dtype: torch.dtype, device):
+    def __init__(self, config, *, tp_group: TPGroup, dtype: torch.dtype, device, packed: bool = False):
         super().__init__()
         tp = tp_group.world_size
         hidden = config.hidden_size
@@ -69,7 +70,7 @@ class LlamaDecoderLayer(nn.Module):
         q_size = config.num_attention_heads * self.head_dim
         kv_size = config.num_key_value_heads * self.head_dim
         inter = config.intermediate_size
-        kw = dict(tp_group=tp_group, dtype=dtype, device=device)
+        kw = dict(tp_group=tp_group, dtype=dtype, device=device, packed=packed)
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype=dtype, device=device)
         self.qkv_proj = ColumnParallelLinear(hidden, [q_size, kv_size, kv_size], attention_bias or is_qwen2, **kw)
         self.o_proj = RowParallelLinear(q_size, hidden, attention_bias, **kw)
@@ -108,7 +109,9 @@ class LlamaForCausalLM(nn.Module):
         device,
         tp_group: TPGroup | None = None,
         name: str | None = None,
+        packed: bool = False,
     ):
+        """packed: layers allocate nothing until loaded and keep packed weights (GGUF) packed."""
         super().__init__()
         tp_group = tp_group if tp_group is not None else get_tp_group()
         name = name or getattr(config, "_name_or_path", "") or config.model_type
@@ -121,6 +124,7 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"unsupported activation '{config.hidden_act}' of {name}; minispec supports: silu")
         check_tp(config, tp_group.world_size, name)
         self.config = config
+        self.name = name
         self.tp_group = tp_group
         self.dtype = dtype
         self.device = torch.device(device)
@@ -131,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = config.num_key_value_heads // tp_group.world_size  # per rank
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        kw = dict(tp_group=tp_group, dtype=dtype, device=device)
+        kw = dict(tp_group=tp_group, dtype=dtype, device=device, packed=packed)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **kw)
         self.vocab_size_padded = self.embed_tokens.vocab_size_padded
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, **kw) for _ in range(self.num_layers)])
@@ -155,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         """h [N, hidden] -> float32 logits [N, vocab_size] (gather) or this rank's shard
         [N, vocab_size_padded / tp] with padded columns at -inf (no gather)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = F.linear(h, head.weight).float()  # [N, shard]
+        logits = linear(h, head.weight).float()  # [N, shard]
         if self.tp_group.world_size == 1:
             return logits
         if head.num_real < head.shard_size:
@@ -166,7 +170,14 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, state_dict) -> None:
-        """Copy this rank's shards from a full (unsharded) Hugging Face state dict (name -> tensor)."""
+        """Copy this rank's shards from a full (unsharded) Hugging Face state dict (name -> tensor or
+        PackedWeight); a shard split that cuts a quantisation block is a ModelLoadError."""
+        try:
+            self._load_weights(state_dict)
+        except ValueError as e:
+            raise ModelLoadError(f"cannot load {self.name}: {e}") from None
+
+    def _load_weights(self, state_dict) -> None:
         cfg = self.config
         hd = self.head_dim
         q_size = cfg.num_attention_heads * hd
@@ -198,7 +209,8 @@ class LlamaForCausalLM(nn.Module):
                 w = get(a + proj + ".weight", (size, H))
                 b = get_opt(a + proj + ".bias", (size,), qkv_bias)
                 if proj != "v_proj":
-                    w = interleave_rope_rows(w, hd)
+                    w = w.permute_rows(lambda t: interleave_rope_rows(t, hd)) if isinstance(w, PackedWeight) \
+                        else interleave_rope_rows(w, hd)
                     b = None if b is None else interleave_rope_rows(b, hd)
                 layer.qkv_proj.load_part(j, w, b)
             layer.o_proj.load(

