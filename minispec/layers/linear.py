@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from minispec.distributed import TPGroup
-from minispec.layers.quant import PackedWeight, embedding, linear, row_bytes
+from minispec.layers.quant import PackedWeight, embedding, linear, row_bytes, type_name
 from minispec.utils import cdiv
 
 
@@ -33,7 +33,7 @@ def _check_kind(dst, src) -> None:
     """ValueError unless src (a loaded part) is stored like dst: both dense, or packed of one type."""
     if isinstance(dst, PackedWeight) != isinstance(src, PackedWeight) or \
             isinstance(dst, PackedWeight) and dst.qtype != src.qtype:
-        kinds = [f"packed type {w.qtype}" if isinstance(w, PackedWeight) else "dense" for w in (dst, src)]
+        kinds = [f"packed {type_name(w.qtype)}" if isinstance(w, PackedWeight) else "dense" for w in (dst, src)]
         raise ValueError(f"the fused parts of one layer are stored differently ({kinds[0]} and {kinds[1]})")
 
 

@@ -188,7 +188,8 @@ def _load_gguf(path: Path, name: str, dtype, device, tp_group: TPGroup, packed: 
         model = LlamaForCausalLM(config, dtype=dtype, device=device, tp_group=tp_group, name=name, packed=packed)
         model.load_weights(f.weights(config, dense=not packed))
         header = f.header_bytes()
-    tokenizer = _gguf_tokenizer(path, header, name)
+        has_tokenizer = "tokenizer.ggml.tokens" in f.metadata
+    tokenizer = _gguf_tokenizer(path, header, name) if has_tokenizer else None
     return _finish(model, tokenizer, config, None, name)
 
 

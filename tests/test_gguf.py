@@ -1,0 +1,130 @@
+"""GGUF files read directly (models/gguf.py): tensors equal transformers' dequantisation, packed models
+equal the float32 model on the dequantised weights, tensor-parallel shards, one-line errors."""
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from minispec.layers.quant import PackedWeight
+from minispec.models.errors import ModelLoadError
+from minispec.models.gguf import GGUFFile
+from minispec.models.loader import load_model
+from tests.test_models import new_kv, prompt, run
+from tests.utils import make_tiny_gguf
+
+FORMATS = ["Q4_0", "Q4_1", "Q8_0", "F16"]
+
+
+def hf_from_gguf(path):
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_tensors_equal_transformers_dequantisation(qtype, tmp_path):
+    """Every tensor, dequantised, equals transformers' (q/k rows back in Hugging Face order), bit for bit."""
+    path = make_tiny_gguf(tmp_path / "m.gguf", qtype, tied=False)
+    ref = hf_from_gguf(path).state_dict()
+    with GGUFFile(path) as f:
+        weights = f.weights(f.config(), dense=True)
+        assert set(weights) == set(ref)
+        for name in ref:
+            assert torch.equal(weights[name], ref[name]), name
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_packed_model_equals_float32_model(qtype, tmp_path):
+    """Packed model logits == transformers' float32 model on the dequantised GGUF (abs 1e-4, as for
+    safetensors checkpoints) and == minispec's dense model (abs 1e-5): only summation order differs."""
+    path = make_tiny_gguf(tmp_path / "m.gguf", qtype, types={"token_embd.weight": "Q8_0"})
+    packed = load_model(path, dtype=torch.float32, device="cpu").model
+    dense = load_model(path, dtype=torch.float32, device="cpu", packed=False).model
+    assert isinstance(packed.layers[0].qkv_proj.weight, PackedWeight)
+    assert isinstance(packed.embed_tokens.weight, PackedWeight)
+    assert not isinstance(dense.layers[0].qkv_proj.weight, PackedWeight)
+    ids = prompt(24, seed=2)
+    hf = hf_from_gguf(path)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = run(packed, new_kv(packed), [0], [0], [ids])[0]
+    assert ref.std() > 0.1
+    assert (ours - ref).abs().max().item() <= 1e-4
+    assert (ours - run(dense, new_kv(dense), [0], [0], [ids])[0]).abs().max().item() <= 1e-5
+    # decode-sized forwards (the packed kernel's row loop) against the prefill's rows
+    kv = new_kv(packed)
+    run(packed, kv, [0], [0], [ids[:20]])
+    step = run(packed, kv, [0], [20], [ids[20:]])[0]  # 4 rows
+    assert (step - ours[20:]).abs().max().item() <= 1e-4
+
+
+def rank(r: int, tp: int):
+    """A stand-in TP group for loading shards (its all_reduce returns this rank's partial sum)."""
+    return SimpleNamespace(world_size=tp, rank_in_group=r, all_reduce=lambda x: x)
+
+
+def test_tp_shards_of_packed_layers(tmp_path):
+    """Column shards are row blocks, row-parallel shards block-aligned column slices; the partial sums add up."""
+    path = make_tiny_gguf(tmp_path / "m.gguf", "Q4_1")
+    with GGUFFile(path) as f:
+        weights = f.weights(f.config())
+        up = weights["model.layers.0.mlp.up_proj.weight"]  # [128, 64]
+        down = weights["model.layers.0.mlp.down_proj.weight"]  # [64, 128]
+        embed = weights["model.embed_tokens.weight"]  # [256, 64]
+        x = torch.randn(3, 128)
+        total = 0
+        for r in range(2):
+            col = ColumnParallelLinear(64, [128], False, tp_group=rank(r, 2), dtype=torch.float32, device="cpu",
+                                       packed=True)
+            col.load_part(0, up)
+            assert torch.equal(col.weight.dequantize(), up.dequantize()[64 * r : 64 * (r + 1)])
+            row = RowParallelLinear(128, 64, False, tp_group=rank(r, 2), dtype=torch.float32, device="cpu",
+                                    packed=True)
+            row.load(down)
+            assert torch.equal(row.weight.dequantize(), down.dequantize()[:, 64 * r : 64 * (r + 1)])
+            total = total + row(x[:, 64 * r : 64 * (r + 1)])
+            emb = VocabParallelEmbedding(255, 64, tp_group=rank(r, 2), dtype=torch.float32, device="cpu", packed=True)
+            emb.load(embed.rows(0, 255))
+            assert torch.equal(emb.weight.dequantize()[: emb.num_real], embed.dequantize()[128 * r : 128 * r + emb.num_real])
+            assert not emb.weight.dequantize()[emb.num_real :].any()  # the padded row is zero
+        assert (total - F.linear(x, down.dequantize())).abs().max() <= 1e-5 * F.linear(x, down.dequantize()).abs().max()
+        # a shard boundary inside a block of 32 is an error
+        bad = RowParallelLinear(96, 64, False, tp_group=rank(1, 2), dtype=torch.float32, device="cpu", packed=True)
+        with pytest.raises(ValueError, match="not block-aligned"):
+            bad.load(down.cols(0, 96))
+
+
+def test_fused_parts_of_different_types_is_an_error(tmp_path):
+    path = make_tiny_gguf(tmp_path / "m.gguf", "Q4_1", types={"blk.0.attn_k.weight": "Q8_0"})
+    with pytest.raises(ModelLoadError, match="stored differently"):
+        load_model(path, dtype=torch.float32, device="cpu")
+
+
+def test_unsupported_tensor_type_names_the_supported_ones(tmp_path):
+    path = make_tiny_gguf(tmp_path / "m.gguf", "Q4_1", types={"blk.1.ffn_up.weight": "Q5_0"})
+    with pytest.raises(ModelLoadError) as e:
+        load_model(path, dtype=torch.float32, device="cpu")
+    msg = str(e.value)
+    assert "\n" not in msg and "Q5_0" in msg and "blk.1.ffn_up.weight" in msg
+    assert "Q4_0, Q4_1, Q8_0, F16, BF16" in msg
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.02])
+def test_truncated_gguf_is_a_one_line_error(cut, tmp_path):
+    """Cut in the tensor data (0.5) or inside the header (0.02)."""
+    path = make_tiny_gguf(tmp_path / "m.gguf", "Q8_0")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: int(len(data) * cut)])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt") as e:
+        load_model(path, dtype=torch.float32, device="cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_not_a_gguf_is_a_one_line_error(tmp_path):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"not a gguf file at all, just some bytes" * 4)
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(str(path), dtype=torch.float32, device="cpu")
