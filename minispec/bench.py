@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 import tomllib
@@ -56,6 +57,7 @@ class BenchConfig:
     cost_reps: int = 20  # timed forwards per cost-ratio measurement
     adaptive: bool = True  # also run each draft with AdaptiveK (measured costs; may turn speculation off)
     bandwidth_mib: int = 512  # size of the tensor copied to measure memory bandwidth
+    llama_bench: str | None = None  # a llama-bench binary: adds llama.cpp's decode on the target GGUF as a peer row
 
 
 QUICK = dict(max_tokens=8, num_prompts=2, batch_sizes=[1], rounds=1, cost_reps=3, bandwidth_mib=256)
@@ -228,6 +230,29 @@ def build_rows(cfg: BenchConfig, hf_target, hf_drafts: dict, llms: dict, pad_id:
     return rows
 
 
+def llama_cpp_decode(binary: str, gguf: str, threads: int, max_tokens: int) -> tuple[float | None, str]:
+    """llama.cpp's decode tok/s on a GGUF (llama-bench, 3 repetitions), or (None, why not)."""
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-p", "64", "-n", str(max_tokens), "-r", "3", "-o", "json"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            why = {-4: " (SIGILL: the build uses instructions this CPU lacks)"}.get(done.returncode, "")
+            return None, f"llama-bench exited with {done.returncode}{why}"
+        runs = json.loads(done.stdout)
+        return float(next(r["avg_ts"] for r in runs if r.get("n_gen", 0) > 0)), " ".join(cmd[1:])
+    except (OSError, subprocess.SubprocessError, ValueError, StopIteration, KeyError, TypeError) as e:
+        return None, f"llama-bench failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+
+
+def stream_rate(tok_s: float | None, weight_bytes: int | None, batch_size: int, bandwidth_gb_s: float) -> dict:
+    """GB/s of weights a plain decoder streams at tok_s (one weight pass per step of batch_size tokens),
+    and its share of the measured bandwidth (the roofline)."""
+    if not tok_s or not weight_bytes:
+        return dict(gb_s=None, roofline_share=None)
+    gb_s = tok_s * weight_bytes / batch_size / 1e9
+    return dict(gb_s=gb_s, roofline_share=gb_s / bandwidth_gb_s)
+
+
 # ---- the run --------------------------------------------------------------------------------
 
 
@@ -328,12 +353,28 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
             bar.update(1)
     bar.close()
 
+    # The llama.cpp peer: its own repetitions, after minispec's and transformers' rounds.
+    llama = None
+    if cfg.llama_bench:
+        from minispec.models.loader import hf_source
+
+        source, kw = hf_source(cfg.target)
+        threads = cfg.threads or torch.get_num_threads()
+        if "gguf_file" in kw:
+            gguf = os.path.join(source, kw["gguf_file"])
+            ts, note = llama_cpp_decode(cfg.llama_bench, gguf, threads, cfg.max_tokens)
+            llama = dict(tok_s=ts, note=note, bytes=os.path.getsize(gguf), threads=threads)
+        else:
+            llama = dict(tok_s=None, note="the target is not a GGUF file", bytes=None, threads=threads)
+
     # Results.
     tok_s = {id(r): r.tokens / r.seconds if r.run is not None and r.seconds > 0 else None for r in rows}
     hf_base = {(r.batch_size, r.temperature): tok_s[id(r)] for r in rows
                if r.system == "transformers" and r.method == "target-only"}
     ms_base = {(r.batch_size, r.temperature): tok_s[id(r)] for r in rows
                if r.system == "minispec" and r.method == "target-only"}
+    # Weight bytes each system streams per decode step (transformers: its dequantised float32 copy).
+    weight_bytes = {"transformers": param_bytes(hf_target), "minispec": param_bytes(llms[None].target.model)}
     out_rows = []
     for r in rows:
         ts = tok_s[id(r)]
@@ -343,7 +384,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                  ratio_vs_transformers=ts / hf_base[key] if ts and hf_base.get(key) else None,
                  acceptance_rate=None, mean_accepted_length=None, alpha=None, draft_cost_ratio=None,
                  verify_ratio=None, measured_speedup=None, predicted_speedup=None, engine_efficiency=None,
-                 note=r.note)
+                 note=r.note, **stream_rate(ts, weight_bytes[r.system], r.batch_size, bandwidth))
         if r.system == "minispec" and r.method == "speculative" and r.outputs:
             m = aggregate(r.outputs)
             alpha = m["alpha"]
@@ -363,6 +404,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                      num_drafts=m["num_drafts"], num_draft_tokens=m["num_draft_tokens"],
                      num_accepted_tokens=m["num_accepted_tokens"])
         out_rows.append(d)
+    if llama is not None:
+        out_rows.append(dict(system="llama.cpp", method="target-only", draft=None, batch_size=1, temperature=0.0,
+                             tokens=None, seconds=None, tok_s=llama["tok_s"],
+                             ratio_vs_transformers=llama["tok_s"] / hf_base[(1, 0.0)]
+                             if llama["tok_s"] and hf_base.get((1, 0.0)) else None,
+                             note=llama["note"], **stream_rate(llama["tok_s"], llama["bytes"], 1, bandwidth)))
 
     bytes_per_token = param_bytes(llms[None].target.model)
     roofline = bandwidth * 1e9 / bytes_per_token
@@ -394,7 +441,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
             "minispec_fraction": ms_b1 / roofline if ms_b1 else None,
             "transformers_tok_s": hf_b1,
             "transformers_fraction": hf_b1 / roofline if hf_b1 else None,
+            "transformers_bytes_per_token": weight_bytes["transformers"],
         },
+        "llama_cpp": llama,
         "costs": {
             "context": ctx,
             "target_decode_s": {str(b): s for b, s in decode_s.items()},
@@ -416,6 +465,8 @@ COLUMNS = [  # header, width, key, format
     ("T", 4, "temperature", "{:g}"),
     ("tok/s", 9, "tok_s", "{:.1f}"),
     ("vs HF", 7, "ratio_vs_transformers", "{:.2f}x"),
+    ("GB/s", 6, "gb_s", "{:.1f}"),
+    ("roof", 5, "roofline_share", "{:.0%}"),
     ("accept", 7, "acceptance_rate", "{:.3f}"),
     ("mean acc", 8, "mean_accepted_length", "{:.2f}"),
     ("alpha", 6, "alpha", "{:.3f}"),
@@ -455,6 +506,11 @@ def format_table(result: dict) -> str:
             f"= {100 * roof['minispec_fraction']:.0f}% of roofline; transformers {roof['transformers_tok_s']:.1f} tok/s "
             f"= {100 * roof['transformers_fraction']:.0f}%"
         )
+    llama = result.get("llama_cpp")
+    if llama:
+        ratio = roof["minispec_tok_s"] / llama["tok_s"] if llama["tok_s"] and roof["minispec_tok_s"] else None
+        lines.append(f"llama.cpp ({llama['threads']} threads): {llama['note']}" + (
+            f"; minispec target-only / llama.cpp decode = {ratio:.2f}x" if ratio else ""))
     verify = ", ".join(f"b={b}: {v:.2f}" for b, v in costs["verify_ratio"].items())
     lines.append(f"verify cost ratio ({cfg['k'] + 1}-token / 1-token target forward, context {costs['context']}): {verify}")
     for d, per_b in costs["draft_cost_ratio"].items():
@@ -471,6 +527,9 @@ def format_table(result: dict) -> str:
     lines += [
         "",
         f"n/a: {HF_BATCH1_NOTE}.",
+        "GB/s: weight bytes a plain decoder streams per token at this tok/s (the system's own weights: transformers "
+        "float32, minispec as loaded, llama.cpp the GGUF; one pass per step of b tokens); roof: GB/s / measured "
+        "bandwidth (speculative rows can pass 100%).",
         "vs HF: tok/s over transformers target-only at the same batch size and temperature. speedup: over minispec "
         "target-only (same b, T).",
         "accept: accepted / drafted tokens; mean acc: tokens per verification with drafts; alpha: per-token "
@@ -524,6 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run each draft with adaptive k (default: on)")
     p.add_argument("--cost-reps", type=int, default=None, help="timed forwards per cost-ratio measurement")
     p.add_argument("--bandwidth-mib", type=int, default=None, help="tensor size of the bandwidth copy")
+    p.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="a llama-bench binary: add llama.cpp's decode tok/s on the target GGUF as a peer row")
     p.add_argument("--out", default=None, metavar="FILE", help="write the result as JSON")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p
@@ -535,7 +596,8 @@ def config_from_args(args) -> BenchConfig:
     if args.draft is not None:
         overrides["drafts"] = [d for d in args.draft if d.lower() != "none"]
     for name in ("target", "k", "batch_sizes", "temperatures", "max_tokens", "num_prompts", "rounds", "seed",
-                 "dtype", "device", "threads", "chat", "cost_reps", "bandwidth_mib", "adaptive"):
+                 "dtype", "device", "threads", "chat", "cost_reps", "bandwidth_mib", "adaptive",
+                 "llama_bench"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     return load_config(args.config, overrides)

@@ -12,6 +12,7 @@ from minispec.distributed import init_distributed
 from minispec.engine.engine import Engine, EngineConfig
 from minispec.engine.model_runner import ModelRunner
 from minispec.engine.request import Request
+from minispec.layers.quant import PackedWeight
 from minispec.models.loader import LoadedModel, load_model
 from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.adaptive import AdaptiveK
@@ -46,9 +47,9 @@ class RequestOutput:
         return d
 
 
-def _loaded(model: str | LoadedModel, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _loaded(model: str | LoadedModel, dtype: torch.dtype, device: torch.device, packed: bool | None) -> LoadedModel:
     """A model spec loaded onto device, or an already-loaded model as given."""
-    return model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    return model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device, packed=packed)
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -90,6 +91,8 @@ class LLM:
     acceptance and turns speculation off when it does not pay (spec_decode/adaptive.py); a seeded request
     chooses its own from its own state alone, so that its tokens stay reproducible (SamplingParams.seed).
     None (default): on with the "auto" draft, off (fixed k, as sweeps need) with a named one.
+    packed (GGUF models; None = True): keep the file's 4/8-bit weights packed and compute exactly on them in
+    float32 (the float32 model the file describes, at the file's size); False dequantises them to dtype.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class LLM:
         ngram_n: tuple[int, int] = (1, 3),
         adaptive_k: bool | None = None,
         draft_dtype: str | torch.dtype | None = None,
+        packed: bool | None = None,
     ):
         if draft == "auto":
             draft = DRAFT_FOR_TARGET.get(target.lower()) if isinstance(target, str) else None
@@ -126,13 +130,13 @@ class LLM:
         torch_dtype = parse_dtype(dtype)
         draft_torch_dtype = torch_dtype if draft_dtype is None else parse_dtype(draft_dtype)
         self.device = torch.device(device) if device else tp.device
-        self.target = _loaded(target, torch_dtype, self.device)
+        self.target = _loaded(target, torch_dtype, self.device, packed)
         self.tokenizer = self.target.tokenizer
         self.draft = None
         k = num_speculative_tokens if draft is not None else 0
         max_len = min(max_model_len or 2048, self.target.max_model_len)
         if draft is not None and draft != "ngram":
-            self.draft = _loaded(draft, draft_torch_dtype, self.device)
+            self.draft = _loaded(draft, draft_torch_dtype, self.device, packed)
             if self.draft.vocab_size != self.target.vocab_size:
                 raise ValueError(
                     f"draft vocabulary ({self.draft.vocab_size} tokens, {self.draft.name}) differs from the "
@@ -275,5 +279,6 @@ class LLM:
 
 
 def param_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a model's parameters (what one decode step streams at batch 1)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of a model's weights, dense parameters and packed weights (what one decode step streams at batch 1)."""
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    return dense + sum(w.data.nbytes for m in model.modules() for w in vars(m).values() if isinstance(w, PackedWeight))
