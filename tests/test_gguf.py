@@ -128,3 +128,24 @@ def test_not_a_gguf_is_a_one_line_error(tmp_path):
     path.write_bytes(b"not a gguf file at all, just some bytes" * 4)
     with pytest.raises(ModelLoadError, match="not a GGUF file"):
         load_model(str(path), dtype=torch.float32, device="cpu")
+
+
+def test_gguf_tokenizer_is_cached_by_header(tmp_path, monkeypatch):
+    """The tokenizer built from a GGUF is saved once and read back; another header builds its own."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import minispec.models.loader as loader
+
+    inner = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    built = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="[UNK]")
+    calls = []
+    monkeypatch.setattr(loader, "_load_tokenizer", lambda *a: calls.append(a) or built)
+    monkeypatch.setenv("MINISPEC_CACHE", str(tmp_path))
+    first = loader._gguf_tokenizer(tmp_path / "m.gguf", b"header", "m")
+    again = loader._gguf_tokenizer(tmp_path / "m.gguf", b"header", "m")
+    assert len(calls) == 1 and again is not built
+    assert again("a b a")["input_ids"] == first("a b a")["input_ids"] == [1, 2, 1]
+    loader._gguf_tokenizer(tmp_path / "m.gguf", b"another header", "m")
+    assert len(calls) == 2

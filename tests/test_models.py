@@ -180,7 +180,7 @@ def test_bfloat16_close_to_float32(tiny):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """SmolLM2-135M-Instruct through its alias (~15-20 s: transformers dequantises the GGUF)."""
+    """SmolLM2-135M-Instruct through its alias: the GGUF read directly, weights packed."""
     return load_model("smollm2-135m-instruct", dtype=torch.float32, device="cpu")
 
 

@@ -211,7 +211,8 @@ void block_rows(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, 
   const int64_t K = G * GROUP;
   for (int64_t n = begin; n < end; n++) {
     const uint8_t* row = wd + n * wstride;
-    int64_t r = 0;
+    int64_t r = 0;  // tiles of 8, 4, then single rows: each block is unpacked once per tile
+    for (; r + 8 <= M; r += 8) block_row_dot<QT, 8>(row, G, x + r * K, K, sx + r * G, out + r * N + n, N);
     for (; r + 4 <= M; r += 4) block_row_dot<QT, 4>(row, G, x + r * K, K, sx + r * G, out + r * N + n, N);
     for (; r < M; r++) block_row_dot<QT, 1>(row, G, x + r * K, K, sx + r * G, out + r * N + n, N);
   }
