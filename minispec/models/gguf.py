@@ -67,6 +67,16 @@ class _Truncated(Exception):
     pass
 
 
+class StringArray:
+    """A long string array of the metadata (the vocabulary): its length and where it starts."""
+
+    def __init__(self, n: int, offset: int):
+        self.n, self.offset = n, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+
 class GGUFFile:
     """One GGUF file: ``metadata`` (key -> value), ``tensors`` (name -> (type id, shape [rows, cols], offset,
     bytes)), the data memory-mapped until ``close()``."""
@@ -152,8 +162,23 @@ class GGUFFile:
                 out = np.frombuffer(self._map, dtype=dt, count=n, offset=self._pos).copy()
                 self._pos += n * dt.itemsize
                 return out
+            if etype == 8 and n > 1024:  # a vocabulary or merge list: skipped, only its length kept
+                return StringArray(n, self._skip_strings(n))
             return [self._value(etype) for _ in range(n)]
         raise ModelLoadError(f"{self.path.name} is corrupt (metadata value type {vtype})")
+
+    def _skip_strings(self, n: int) -> int:
+        """Move past n strings; -> where they start."""
+        start, pos, buf, end = self._pos, self._pos, self._map, len(self._map)
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(n):
+            if pos + 8 > end:
+                raise _Truncated
+            pos += 8 + unpack(buf, pos)[0]
+        if pos > end:
+            raise _Truncated
+        self._pos = pos
+        return start
 
     def header_bytes(self) -> bytes:
         """The header (metadata and tensor table): a content key for what is derived from it."""
