@@ -31,9 +31,9 @@ def main() -> None:
     for i, (ids, out) in enumerate(zip(prompts, outs)):
         x = torch.tensor([ids])
         with torch.inference_mode():
+            # eos_token_id=None runs through EOS as ignore_eos does (min_new_tokens would forbid EOS)
             ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=args.max_tokens,
-                              min_new_tokens=args.max_tokens, pad_token_id=0, output_logits=True,
-                              return_dict_in_generate=True)
+                              eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         want = ref.sequences[0, len(ids):].tolist()
         if want == out.token_ids:
             equal += 1
