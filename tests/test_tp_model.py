@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils import make_tiny_model_dir
+from tests.utils import make_tiny_gguf, make_tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "dist_scripts" / "tp_model_check.py"
@@ -26,7 +26,15 @@ CASES = {
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_tp_logits_equal_tp1(nproc, tmp_path):
     model_type, overrides = CASES[nproc]
-    path = make_tiny_model_dir(tmp_path, model_type=model_type, seed=nproc, **overrides)
+    run_check(make_tiny_model_dir(tmp_path, model_type=model_type, seed=nproc, **overrides), nproc)
+
+
+def test_tp_packed_gguf_logits_equal_tp1(tmp_path):
+    """A packed GGUF (Q4_1 layers, Q8_0 tied embedding) at tp=2: row-parallel shards cut rows on blocks."""
+    run_check(make_tiny_gguf(tmp_path / "m.gguf", "Q4_1", types={"token_embd.weight": "Q8_0"}), 2)
+
+
+def run_check(path: str, nproc: int) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(SCRIPT), path]
