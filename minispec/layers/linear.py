@@ -116,17 +116,14 @@ class RowParallelLinear(nn.Module):
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's column shard of the full weight [out, in] (the bias is kept whole)."""
         start = self.tp_group.rank_in_group * self.in_local
-        if isinstance(weight, PackedWeight):
+        if isinstance(weight, PackedWeight):  # a copy of each row's block-aligned columns
             shard = weight.cols(start, self.in_local) if self.tp_group.world_size > 1 else weight
-            if self.weight is None:
-                self.weight = _rows_like(weight, self.out_features, self.in_local, self.dtype, self.device)
-            _check_kind(self.weight, shard)
-            self.weight.data.copy_(shard.data)
         else:
-            if self.weight is None:
-                self.weight = _rows_like(weight, self.out_features, self.in_local, self.dtype, self.device)
-            _check_kind(self.weight, weight)
-            self.weight.copy_(weight[:, start : start + self.in_local])
+            shard = weight[:, start : start + self.in_local]
+        if self.weight is None:
+            self.weight = _rows_like(shard, self.out_features, self.in_local, self.dtype, self.device)
+        _check_kind(self.weight, shard)
+        _rows_of(self.weight, 0, self.out_features).copy_(_rows_of(shard, 0, self.out_features))
         if self.bias is not None:
             self.bias.copy_(bias)
 
