@@ -152,3 +152,27 @@ def test_batches_cycle_prompts():
     assert [[i for i, _ in x] for x in b] == [[0, 1], [2, 3]]
     assert b[1][1][1] == [1]  # index 3 cycles back to prompt 0
     assert [len(x) for x in bench.batches_of(prompts, 16)] == [16]
+
+
+def test_stream_rate():
+    """GB/s of weights per token at a tok/s (one pass per step of b tokens), and the share of bandwidth."""
+    r = bench.stream_rate(50.0, 100e6, 2, 10.0)
+    assert r["gb_s"] == pytest.approx(2.5) and r["roofline_share"] == pytest.approx(0.25)
+    assert bench.stream_rate(None, 100e6, 1, 10.0) == dict(gb_s=None, roofline_share=None)
+
+
+def test_llama_cpp_decode_reads_llama_bench_json(tmp_path):
+    """The decode row of llama-bench's JSON; a crash or a missing binary is a note, not an error."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text('#!/bin/sh\necho \'[{"n_prompt": 64, "n_gen": 0, "avg_ts": 180.0}, '
+                    '{"n_prompt": 0, "n_gen": 128, "avg_ts": 85.7}]\'\n')
+    fake.chmod(0o755)
+    ts, note = bench.llama_cpp_decode(str(fake), "m.gguf", 2, 128)
+    assert ts == 85.7 and "-t 2" in note and "-n 128" in note
+    crash = tmp_path / "crash"
+    crash.write_text("#!/bin/sh\nkill -ILL $$\n")
+    crash.chmod(0o755)
+    ts, note = bench.llama_cpp_decode(str(crash), "m.gguf", 2, 128)
+    assert ts is None and "SIGILL" in note
+    ts, note = bench.llama_cpp_decode(str(tmp_path / "missing"), "m.gguf", 2, 128)
+    assert ts is None and note.startswith("llama-bench failed")
