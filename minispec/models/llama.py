@@ -174,7 +174,9 @@ class LlamaForCausalLM(nn.Module):
         PackedWeight); a shard split that cuts a quantisation block is a ModelLoadError."""
         try:
             self._load_weights(state_dict)
-        except ValueError as e:
+        except ModelLoadError:
+            raise
+        except ValueError as e:  # a packed shard that cuts a block, fused parts stored differently
             raise ModelLoadError(f"cannot load {self.name}: {e}") from None
 
     def _load_weights(self, state_dict) -> None:
