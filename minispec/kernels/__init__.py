@@ -1,2 +1,36 @@
 """Compiled kernels, each built on first use with a pure-torch fallback: fused_cpu (the decode step's small
 ops), packed_cpu (the packed-weight linear, C++), packed_triton (the packed-weight linear on GPU)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+
+
+def _cpu_identity() -> bytes:
+    """The CPU's model and feature flags: a -march=native build is only reused on the same kind of CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode()
+    except OSError:
+        return platform.processor().encode()
+
+
+def build_cpp(name: str, source: Path, cflags: list[str], what: str):
+    """Build (once, cached) the C++ extension `source` as minispec_<name>; None after one warning where it cannot be."""
+    if os.environ.get("MINISPEC_NO_CPP_KERNELS"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        # Source, flags and CPU in the name: each version builds once, and checkouts do not rebuild each other's.
+        digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode() + _cpu_identity()).hexdigest()[:10]
+        return load(name=f"minispec_{name}_{digest}", sources=[str(source)], extra_cflags=cflags,
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no headers, a failed build
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        warnings.warn(f"minispec: {what} could not be built ({reason[:200]}); using the slower pure-torch path",
+                      RuntimeWarning, stacklevel=3)
+        return None

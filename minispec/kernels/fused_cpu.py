@@ -6,12 +6,11 @@ compiler, or when MINISPEC_NO_CPP_KERNELS is set: the callers then take their pu
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import warnings
 from pathlib import Path
 
 import torch
+
+from minispec.kernels import build_cpp
 
 SOURCE = Path(__file__).with_name("fused_cpu.cpp")
 # -fno-math-errno -fno-trapping-math (as torch builds with): lets the exp and clamp loops vectorise.
@@ -21,20 +20,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-
 @functools.cache
 def ops():
     """The compiled module (add_rms_norm, silu_mul, rope_cache_attend), or None where it cannot be built."""
-    if os.environ.get("MINISPEC_NO_CPP_KERNELS"):
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        # The source hash in the name: each version builds once and checkouts do not rebuild each other's.
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:10]
-        return load(name=f"minispec_fused_cpu_{digest}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no headers, a failed build
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        warnings.warn(f"minispec: the fused C++ CPU kernels could not be built ({reason[:200]}); "
-                      f"using the slower pure-torch path", RuntimeWarning, stacklevel=2)
-        return None
+    return build_cpp("fused_cpu", SOURCE, CFLAGS, "the fused C++ CPU kernels")
 
 
 def applies(*tensors) -> bool:
