@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import math
 import os
 import pickle
 import re
@@ -187,6 +188,21 @@ def rows_from_owners(tp: TPGroup, x_mine: torch.Tensor, row_owner: np.ndarray) -
     for r in range(tp.world_size):
         idx = torch.from_numpy(np.flatnonzero(row_owner == r)).to(out.device)
         out[idx] = gathered[r, : int(counts[r])]
+    return out
+
+
+def share_from_owners(tp: TPGroup, parts: list[torch.Tensor], row_owner: np.ndarray) -> list[torch.Tensor]:
+    """rows_from_owners for several integer or bool tensors at once ([num_my_rows, ...] each): packed side by
+    side as int64 for one all-gather, unpacked after. Returns each part for all rows, on the host."""
+    if tp.world_size == 1:
+        return [p.cpu() for p in parts]
+    cols = [p.reshape(p.shape[0], math.prod(p.shape[1:])).to(torch.int64) for p in parts]
+    packed = torch.cat(cols, dim=1).to(tp.device)  # [num_my_rows, sum of widths]
+    shared = rows_from_owners(tp, packed, row_owner).cpu()  # [num_rows, sum of widths]
+    out, start = [], 0
+    for p, c in zip(parts, cols):
+        out.append(shared[:, start : start + c.shape[1]].reshape(len(row_owner), *p.shape[1:]).to(p.dtype))
+        start += c.shape[1]
     return out
 
 

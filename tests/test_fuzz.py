@@ -37,7 +37,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-import minispec.engine.engine as engine_mod
+import minispec.engine.verify as verify_mod
 from minispec import LLM, SamplingParams
 from tests.utils import make_tiny_model_dir
 
@@ -90,7 +90,7 @@ STATS: Counter = Counter()  # what the examples exercised and how many checks th
 _ids = itertools.count()
 WRITTEN: dict[int, torch.Tensor] = {}  # id(request) -> [num_steps, V] the draft logits its last proposal wrote
 LAST_WRITER: dict[tuple[int, int], object] = {}  # (id(cache), row) -> the request that last wrote the row
-CURRENT: list = []  # [engine, requests] of the verification in progress
+CURRENT: list = []  # [verifier, requests] of the verification in progress
 
 
 # ---- the rejection-sampler spy --------------------------------------------------------------------
@@ -99,8 +99,8 @@ CURRENT: list = []  # [engine, requests] of the verification in progress
 def check_rows_read(logits, draft_logits, draft_tokens, stale, cu) -> None:
     """Each verified draft's logits row is fresh (last written by its request) iff it is not flagged stale,
     and a fresh row holds what the proposer wrote for the request (when the batch reads the cache)."""
-    engine, reqs = CURRENT
-    cache = engine.draft_logits
+    verifier, reqs = CURRENT
+    cache = verifier.draft_logits
     if cache is None:
         return
     rows = cache.rows_of(torch.tensor([r.slot for r in reqs])).tolist()
@@ -142,8 +142,8 @@ def check_verdict(draft_tokens, stale, cu, tokens, num_sampled) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def spy_rejection_sampler():
     """The engine calls the rejection sampler through check_rows_read and check_verdict for the whole module."""
-    real = engine_mod.rejection_sample
-    sample_mine = engine_mod.Engine._sample_mine
+    real = verify_mod.rejection_sample
+    sample_mine = verify_mod.Verifier._sample_mine
 
     def spy(logits, draft_logits, draft_tokens, stale, cu, *args, **kwargs):
         check_rows_read(logits, draft_logits, draft_tokens.cpu(), None if stale is None else stale.cpu(), cu.cpu())
@@ -156,8 +156,8 @@ def spy_rejection_sampler():
         return sample_mine(self, reqs, *args)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_mod, "rejection_sample", spy)
-        mp.setattr(engine_mod.Engine, "_sample_mine", current)
+        mp.setattr(verify_mod, "rejection_sample", spy)
+        mp.setattr(verify_mod.Verifier, "_sample_mine", current)
         yield
 
 

@@ -1,4 +1,4 @@
-"""The engine and its step: schedule -> verify -> accept -> draft. The whole speculative loop lives here."""
+"""The engine and its step: schedule -> verify (engine/verify.py) -> accept -> draft."""
 from __future__ import annotations
 
 import time
@@ -7,16 +7,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minispec.distributed import get_tp_group, rows_from_owners, rows_to_owners
-from minispec.engine.input_batch import InputBatch
+from minispec.distributed import get_tp_group
 from minispec.engine.model_runner import ModelRunner
 from minispec.engine.request import Request
 from minispec.engine.scheduler import Scheduler, ScheduledRequest
-from minispec.sample.random import RequestRandom, exponentials, uniforms
+from minispec.engine.verify import Verdict, Verifier
+from minispec.sample.random import RequestRandom
 from minispec.sampling_params import SamplingParams
-from minispec.spec_decode.draft_logits import DraftLogitsCache, shard_owners
-from minispec.spec_decode.proposer import BatchSampling, Proposer
-from minispec.spec_decode.rejection_sampler import rejection_sample
+from minispec.spec_decode.draft_logits import DraftLogitsCache
+from minispec.spec_decode.proposer import Proposer
 
 
 @dataclass(slots=True)
@@ -47,7 +46,8 @@ class Engine:
         self.tp = get_tp_group()
         self.target = target
         # Optional speculation length: k_policy(reqs) -> each request's k in [0, proposer.k]; a policy with an
-        # observe_step(batch_size, speculative, step_s, forward_s) method also gets every step's timing.
+        # observe_step(batch_size, speculative, step_s, forward_s) method also gets every step's timing, one
+        # with a free(req) method hears of every finished request.
         self.k_policy = k_policy
         self.proposer = proposer
         self.config = config
@@ -71,6 +71,7 @@ class Engine:
                 config.max_num_seqs, self.k, vocab_size, dtype=torch.float32, fill=0.0,
                 device=self.device, sharded=sharded,
             )
+        self.verify = Verifier(target, self.draft_logits, self.k, vocab_size, config)
         self._num_arrived = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -111,6 +112,8 @@ class Engine:
         req.drafts = None
         if self.proposer is not None:
             self.proposer.free(req)
+        if hasattr(self.k_policy, "free"):
+            self.k_policy.free(req)
         self.scheduler.free(req)
         del self.requests[req.req_id]
 
@@ -123,8 +126,8 @@ class Engine:
         t0, forward_s0 = time.perf_counter(), self._forward_s()
         verified = [s for s in scheduled if s.verify]
         speculative = any(s.req.num_drafts for s in verified)
-        sampled = self._verify(scheduled, verified)  # tokens [num_verified, k + 1], counts, bad logits
-        outputs = self._accept(verified, *sampled)
+        verdict = self.verify(scheduled)
+        outputs = self._accept(verified, verdict) if verdict is not None else []
         if self.proposer is not None:
             to_draft = [s.req for s in verified if not s.req.finished]
             if to_draft:
@@ -141,126 +144,11 @@ class Engine:
         draft = getattr(self.proposer, "runner", None)
         return self.target.forward_s + (draft.forward_s if draft is not None else 0.0)
 
-    def _verify(self, scheduled: list[ScheduledRequest], verified: list[ScheduledRequest]):
-        """One target forward over every scheduled request's new tokens (+ drafts); sample the verified.
-
-        Under TP each verified request has an owner rank: its logits reach the owner with one
-        all-to-all, the owner runs the rejection sampler, and one all-gather shares the results.
-        """
-        tp = self.tp
-        queries, num_logits = [], []
-        for s in scheduled:
-            r = s.req
-            q = r.token_ids[r.num_computed : r.num_computed + s.num_tokens]
-            n = 0
-            if s.verify:
-                n = 1 + r.num_drafts
-                if r.num_drafts:
-                    q = q + [max(int(d), 0) for d in r.drafts]  # a -1 placeholder feeds token 0; never accepted
-            queries.append(q)
-            num_logits.append(n)
-        logits = self.target.forward(
-            [s.req.slot for s in scheduled], [s.req.num_computed for s in scheduled], queries, num_logits,
-            gather=False,
-        )  # [num_logits, V] ([num_logits, V_padded / tp] under TP)
-        for s in scheduled:
-            if not s.verify:
-                s.req.num_computed += s.num_tokens
-        if not verified:
-            return None, None, None
-        reqs = [s.req for s in verified]
-        slots = np.array([r.slot for r in reqs], dtype=np.int32)
-        owners = self._owners(slots)  # [num_reqs]
-        num_logits_v = np.array([1 + r.num_drafts for r in reqs], dtype=np.int64)
-        logits = rows_to_owners(tp, logits, np.repeat(owners, num_logits_v))[:, : self.vocab_size]
-        # Every rank draws every request's randomness (streams stay in step), owners use theirs.
-        sampled = [r for r in reqs if not r.params.greedy]
-        draws_u = uniforms([r.random.verify for r in sampled], self.k) if sampled and self.k else None
-        draws_e = exponentials([r.random.verify for r in sampled], self.vocab_size) if sampled else None
-        mine = owners == tp.rank_in_group
-        my_reqs = [r for r, m in zip(reqs, mine) if m]
-        # [num_mine, k + 4]: tokens (k + 1, -1 padded), num_sampled, num_stale, bad logits (0/1)
-        result = torch.zeros(len(my_reqs), self.k + 4, dtype=torch.int64)
-        if my_reqs:
-            result = self._sample_mine(my_reqs, slots[mine], num_logits_v[mine], logits, sampled, draws_u, draws_e)
-        result = rows_from_owners(tp, result.to(self.device), owners).cpu().numpy()
-        k = self.k
-        for r, n_stale in zip(reqs, result[:, k + 2]):
-            r.metrics.num_stale_drafts += int(n_stale)
-        return result[:, : k + 1], result[:, k + 1], result[:, k + 3].astype(bool)
-
-    def _sample_mine(self, reqs, slots, num_logits, logits, sampled, draws_u, draws_e) -> torch.Tensor:
-        """Rejection-sample the requests this rank owns; returns [num_reqs, k + 4]: tokens, count, stale, bad."""
-        batch = InputBatch.build([r.req_id for r in reqs], slots, num_logits, self.device)
-        draft_tokens = np.full(batch.num_logits, -1, dtype=np.int64)  # [num_logits]
-        for r, start in zip(reqs, batch.cu_num_logits_np[:-1]):
-            if r.num_drafts:
-                draft_tokens[start : start + r.num_drafts] = r.drafts
-        draft_tokens_t = torch.from_numpy(draft_tokens).to(self.device)
-        draft_logits, stale = logits, None  # without a cache every row is a bonus row
-        if self.draft_logits is not None:
-            cache = self.draft_logits
-            if sampled or self.config.record_beta:  # all-greedy verification compares tokens only
-                rows = cache.rows_of(batch.expanded_idx_mapping.long())  # [num_logits]
-                steps = batch.expanded_local_pos.long().clamp(max=self.k - 1)
-                draft_logits = cache.values[rows.clamp(min=0), steps]  # [num_logits, V]
-            stale = cache.stale_drafts(batch)
-            if stale is not None:
-                stale = stale & (draft_tokens_t >= 0)
-        sampling = BatchSampling(reqs, self.device)
-        u = torch.zeros(len(reqs), self.k)  # [num_reqs, k]
-        noise = torch.ones(len(reqs), 1).expand(len(reqs), self.vocab_size)  # [num_reqs, V]; greedy rows ignore it
-        if sampled:
-            noise = noise.contiguous()
-        index = {id(r): i for i, r in enumerate(sampled)}
-        for i, r in enumerate(reqs):
-            j = index.get(id(r))
-            if j is not None:
-                noise[i] = draws_e[j]
-                if draws_u is not None:
-                    u[i] = draws_u[j]
-        cu = torch.from_numpy(batch.cu_num_logits_np).to(self.device)
-        verdict = rejection_sample(
-            logits, draft_logits, draft_tokens_t, stale, cu, sampling.temperature, sampling.top_k,
-            sampling.top_p, u[:, : int(num_logits.max()) - 1].to(self.device), noise.to(self.device),
-            return_probs=self.config.record_beta,
-        )
-        tokens, num_sampled = verdict[:2]
-        out = torch.full((len(reqs), self.k + 4), -1, dtype=torch.int64)
-        out[:, : tokens.shape[1]] = tokens.cpu()
-        out[:, self.k + 1] = num_sampled.cpu()
-        out[:, self.k + 2] = 0
-        # A target that emits NaN or +inf logits cannot be sampled from: the request ends with an error.
-        bad_row = ~torch.isfinite(logits.amax(dim=-1)).cpu()  # [num_logits]; NaN, +inf or nothing finite
-        req_of_row = torch.repeat_interleave(torch.arange(len(reqs)), torch.from_numpy(num_logits))
-        out[:, self.k + 3] = torch.zeros(len(reqs), dtype=torch.int64).index_add_(0, req_of_row, bad_row.long()) > 0
-        if stale is not None:
-            per_req = torch.zeros(len(reqs), dtype=torch.int64)
-            per_req.index_add_(0, req_of_row, stale.cpu().long())
-            out[:, self.k + 2] = per_req
-        if self.config.record_beta:
-            self._record_beta(reqs, batch, draft_tokens, stale, *verdict[2:])
-        return out
-
-    def _record_beta(self, reqs, batch, draft_tokens, stale, p, q) -> None:
-        """Analytic acceptance beta = sum_x min(p, q) at every verified draft (Leviathan et al., Thm 3.5)."""
-        valid = draft_tokens >= 0
-        if stale is not None:
-            valid &= ~stale.cpu().numpy()
-        beta = torch.minimum(p, q).sum(dim=-1).cpu().numpy()  # [num_logits]
-        for r, start, end in zip(reqs, batch.cu_num_logits_np[:-1], batch.cu_num_logits_np[1:]):
-            r.metrics.betas.extend(float(b) for b, v in zip(beta[start:end], valid[start:end]) if v)
-
-    def _owners(self, slots: np.ndarray) -> np.ndarray:
-        """The TP rank that verifies each request (the rank that caches its draft logits)."""
-        if self.draft_logits is not None:
-            return self.draft_logits.owners_of(slots)[0]
-        return shard_owners(len(slots), self.tp.world_size)
-
-    def _accept(self, verified: list[ScheduledRequest], tokens, num_sampled, bad) -> list[StepOutput]:
+    def _accept(self, verified: list[ScheduledRequest], verdict: Verdict) -> list[StepOutput]:
         """Append each verified request's accepted drafts and sampled token; roll caches back; finish."""
         outputs = []
         now = time.perf_counter()
+        tokens, num_sampled, bad = verdict.tokens.tolist(), verdict.num_sampled.tolist(), verdict.bad.tolist()
         for i, s in enumerate(verified):
             r = s.req
             if bad[i]:
@@ -268,7 +156,7 @@ class Engine:
                 outputs.append(StepOutput(r, []))
                 self._finish(r, "error")
                 continue
-            n = int(num_sampled[i])
+            n = num_sampled[i]
             num_accepted = n - 1
             m = r.metrics
             nd = int((r.drafts >= 0).sum()) if r.num_drafts else 0
@@ -276,7 +164,7 @@ class Engine:
             r.num_computed = len(r.token_ids) + num_accepted
             r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
             r.drafts = None
-            new, reason = self._append(r, [int(t) for t in tokens[i, :n]])
+            new, reason = self._append(r, tokens[i][:n])
             if nd:  # count what was emitted: a stop token or max_tokens may cut the accepted run
                 m.num_drafts += 1
                 m.num_draft_tokens += nd

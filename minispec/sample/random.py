@@ -52,3 +52,22 @@ def exponentials(gens: Sequence[torch.Generator], vocab: int, device: torch.devi
         torch.rand(vocab, generator=g, dtype=torch.float64, out=u[i])
     out = u.neg_().log1p_().neg_().float()
     return out.to(device) if device is not None else out
+
+
+def verify_draws(gens: Sequence[torch.Generator | None], k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection sampler's randomness for a batch: uniforms [n, k] and Exp(1) noise [n, vocab].
+
+    gens[i] is request i's verify generator, or None for a greedy request, which draws nothing (its rows
+    stay 0 and 1: the sampler ignores them). Only the sampled requests' generators advance.
+    """
+    sampled = [i for i, g in enumerate(gens) if g is not None]
+    u = torch.zeros(len(gens), k)  # [n, k]
+    noise = torch.ones(len(gens), 1).expand(len(gens), vocab)  # [n, vocab]
+    if sampled:
+        rows = torch.tensor(sampled)
+        drawing = [gens[i] for i in sampled]
+        if k:
+            u[rows] = uniforms(drawing, k)
+        noise = noise.contiguous()
+        noise[rows] = exponentials(drawing, vocab)
+    return u, noise

@@ -1,0 +1,145 @@
+"""Verification: one target forward over the scheduled requests, then rejection sampling of the drafts."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minispec.distributed import get_tp_group, rows_to_owners, share_from_owners
+from minispec.engine.input_batch import InputBatch
+from minispec.engine.model_runner import ModelRunner
+from minispec.engine.request import Request
+from minispec.engine.scheduler import ScheduledRequest
+from minispec.sample.random import verify_draws
+from minispec.spec_decode.draft_logits import DraftLogitsCache, shard_owners
+from minispec.spec_decode.proposer import BatchSampling
+from minispec.spec_decode.rejection_sampler import rejection_sample
+
+
+@dataclass(slots=True)
+class Verdict:
+    """What verification decided for each verified request, in batch order (host tensors)."""
+
+    tokens: torch.Tensor  # [num_reqs, k + 1] accepted drafts then one sampled token, -1 padded
+    num_sampled: torch.Tensor  # [num_reqs] tokens to append: accepted drafts + 1
+    num_stale: torch.Tensor  # [num_reqs] drafts whose cached logits another request overwrote
+    bad: torch.Tensor  # [num_reqs] bool: the target gave NaN or inf logits
+
+
+class Verifier:
+    """Runs the target over a step's batch and samples each verified request's next tokens."""
+
+    def __init__(self, target: ModelRunner, draft_logits: DraftLogitsCache | None, k: int, vocab_size: int, config):
+        self.tp = get_tp_group()
+        self.target = target
+        self.draft_logits = draft_logits
+        self.k = k
+        self.vocab_size = vocab_size
+        self.config = config  # EngineConfig: record_beta keeps sum_x min(p, q) of every verified draft
+        self.device = target.device
+
+    def __call__(self, scheduled: list[ScheduledRequest]) -> Verdict | None:
+        """One target forward over every scheduled request's new tokens (+ drafts); sample the verified.
+
+        A request still prefilling only advances num_computed. Under TP each verified request has an owner
+        rank: its logits reach the owner with one all-to-all, the owner runs the rejection sampler, and one
+        all-gather shares the verdicts. None when no request was verified.
+        """
+        queries, num_logits = [], []
+        for s in scheduled:
+            r = s.req
+            q = r.token_ids[r.num_computed : r.num_computed + s.num_tokens]
+            n = 0
+            if s.verify:
+                n = 1 + r.num_drafts
+                if r.num_drafts:
+                    q = q + [max(int(d), 0) for d in r.drafts]  # a -1 placeholder feeds token 0; never accepted
+            queries.append(q)
+            num_logits.append(n)
+        logits = self.target.forward(
+            [s.req.slot for s in scheduled], [s.req.num_computed for s in scheduled], queries, num_logits,
+            gather=False,
+        )  # [num_logits, V] ([num_logits, V_padded / tp] under TP)
+        for s in scheduled:
+            if not s.verify:
+                s.req.num_computed += s.num_tokens
+        reqs = [s.req for s in scheduled if s.verify]
+        if not reqs:
+            return None
+        slots = np.array([r.slot for r in reqs], dtype=np.int32)
+        owners = self._owners(slots)  # [num_reqs]
+        num_logits_v = np.array([1 + r.num_drafts for r in reqs], dtype=np.int64)
+        logits = rows_to_owners(self.tp, logits, np.repeat(owners, num_logits_v))[:, : self.vocab_size]
+        # Every rank draws every request's randomness (streams stay in step), owners use theirs.
+        u, noise = verify_draws([None if r.params.greedy else r.random.verify for r in reqs], self.k, self.vocab_size)
+        mine = owners == self.tp.rank_in_group
+        if not mine.all():
+            u, noise = u[torch.from_numpy(mine)], noise[torch.from_numpy(mine)]
+        my_reqs = [r for r, m in zip(reqs, mine) if m]
+        verdict = self._sample_mine(my_reqs, slots[mine], num_logits_v[mine], logits, u, noise)
+        verdict = Verdict(*share_from_owners(
+            self.tp, [verdict.tokens, verdict.num_sampled, verdict.num_stale, verdict.bad], owners,
+        ))
+        for r, n_stale in zip(reqs, verdict.num_stale.tolist()):
+            r.metrics.num_stale_drafts += n_stale
+        return verdict
+
+    def _sample_mine(self, reqs: list[Request], slots: np.ndarray, num_logits: np.ndarray, logits: torch.Tensor,
+                     u: torch.Tensor, noise: torch.Tensor) -> Verdict:
+        """Rejection-sample the requests this rank owns (logits [num_logits, V], u [num_reqs, k], noise [num_reqs, V])."""
+        k, n = self.k, len(reqs)
+        if not reqs:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return Verdict(torch.zeros(0, k + 1, dtype=torch.int64), empty, empty, empty.bool())
+        batch = InputBatch.build([r.req_id for r in reqs], slots, num_logits, self.device)
+        draft_tokens = np.full(batch.num_logits, -1, dtype=np.int64)  # [num_logits]
+        for r, start in zip(reqs, batch.cu_num_logits_np[:-1]):
+            if r.num_drafts:
+                draft_tokens[start : start + r.num_drafts] = r.drafts
+        draft_tokens_t = torch.from_numpy(draft_tokens).to(self.device)
+        sampled = any(not r.params.greedy for r in reqs)
+        draft_logits, stale = logits, None  # without a cache every row is a bonus row
+        if self.draft_logits is not None:
+            cache = self.draft_logits
+            if sampled or self.config.record_beta:  # all-greedy verification compares tokens only
+                rows = cache.rows_of(batch.expanded_idx_mapping.long())  # [num_logits]
+                steps = batch.expanded_local_pos.long().clamp(max=k - 1)
+                draft_logits = cache.values[rows.clamp(min=0), steps]  # [num_logits, V]
+            stale = cache.stale_drafts(batch)
+            if stale is not None:
+                stale = stale & (draft_tokens_t >= 0)
+        sampling = BatchSampling(reqs, self.device)
+        cu = torch.from_numpy(batch.cu_num_logits_np).to(self.device)
+        out = rejection_sample(
+            logits, draft_logits, draft_tokens_t, stale, cu, sampling.temperature, sampling.top_k,
+            sampling.top_p, u[:, : int(num_logits.max()) - 1].to(self.device), noise.to(self.device),
+            return_probs=self.config.record_beta,
+        )
+        tokens = torch.full((n, k + 1), -1, dtype=torch.int64)  # [num_reqs, k + 1]
+        tokens[:, : out[0].shape[1]] = out[0].cpu()
+        # A target that emits NaN or +inf logits cannot be sampled from: the request ends with an error.
+        bad_row = ~torch.isfinite(logits.amax(dim=-1)).cpu()  # [num_logits]; NaN, +inf or nothing finite
+        req_of_row = torch.repeat_interleave(torch.arange(n), torch.from_numpy(num_logits))  # [num_logits]
+        bad = torch.zeros(n, dtype=torch.int64).index_add_(0, req_of_row, bad_row.long()) > 0  # [num_reqs]
+        num_stale = torch.zeros(n, dtype=torch.int64)  # [num_reqs]
+        if stale is not None:
+            num_stale.index_add_(0, req_of_row, stale.cpu().long())
+        if self.config.record_beta:
+            self._record_beta(reqs, batch, draft_tokens, stale, *out[2:])
+        return Verdict(tokens, out[1].cpu().to(torch.int64), num_stale, bad)
+
+    def _record_beta(self, reqs, batch, draft_tokens, stale, p, q) -> None:
+        """Analytic acceptance beta = sum_x min(p, q) at every verified draft (Leviathan et al., Thm 3.5)."""
+        valid = draft_tokens >= 0
+        if stale is not None:
+            valid &= ~stale.cpu().numpy()
+        beta = torch.minimum(p, q).sum(dim=-1).cpu().numpy()  # [num_logits]
+        for r, start, end in zip(reqs, batch.cu_num_logits_np[:-1], batch.cu_num_logits_np[1:]):
+            r.metrics.betas.extend(float(b) for b, v in zip(beta[start:end], valid[start:end]) if v)
+
+    def _owners(self, slots: np.ndarray) -> np.ndarray:
+        """The TP rank that verifies each request (the rank that caches its draft logits)."""
+        if self.draft_logits is not None:
+            return self.draft_logits.owners_of(slots)[0]
+        return shard_owners(len(slots), self.tp.world_size)
