@@ -22,7 +22,9 @@ import torch
 from minispec import LLM, SamplingParams
 from minispec import generate as cli
 from minispec.distributed import TPGroup
+from minispec.engine.request import Request
 from minispec.models.loader import ModelLoadError, load_model
+from minispec.spec_decode.adaptive import AdaptiveK
 from tests.utils import make_tiny_model_dir, requires_smollm2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -373,8 +375,13 @@ def _rss_mb() -> float:
 
 
 def test_a_thousand_short_requests_leave_nothing_behind(target_dir, draft_dir):
+    # The default LLM()'s path (a draft model, adaptive k on) on tiny models: the shipped SmolLM2 pair would
+    # make 1,000 requests too slow for the suite.
     llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=3, max_num_seqs=8, seed=0,
-              shard_draft_logits=True, max_num_batched_tokens=64)
+              shard_draft_logits=True, max_num_batched_tokens=64, adaptive_k=True)
+    assert isinstance(llm.engine.k_policy, AdaptiveK)
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, Request)}  # other tests' engines
     rng = np.random.default_rng(0)
     sizes = {}
     for batch in range(20):  # 20 x 50 requests, 2-4 tokens each, some sampled, some aborted by closing
@@ -393,6 +400,9 @@ def test_a_thousand_short_requests_leave_nothing_behind(target_dir, draft_dir):
         if batch in (3, 19):  # after 200 and after 1,000 requests
             sizes[batch] = (_rss_mb(), len(gc.get_objects()))
     assert llm._next_id == 1000 and llm.engine._num_arrived == 1000
+    gc.collect()
+    alive = [o for o in gc.get_objects() if isinstance(o, Request) and id(o) not in before]
+    assert not alive, f"{len(alive)} Request objects of finished requests are still alive"
     (rss_200, objs_200), (rss_1000, objs_1000) = sizes[3], sizes[19]
     assert rss_1000 - rss_200 < 50, f"RSS grew {rss_1000 - rss_200:.1f} MB from request 200 to 1,000"
     assert objs_1000 - objs_200 < 2000, f"{objs_1000 - objs_200} more Python objects after 1,000 requests"

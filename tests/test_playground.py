@@ -244,7 +244,7 @@ def test_adaptive_in_engine_is_lossless(target_dir, draft_dir):
     llm.engine.k_policy = pol
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == ref
-    assert pol.counts.sum() > 0 and len(pol.states) == 3
+    assert pol.counts.sum() > 0 and not pol.states  # each finished request's state was freed
     for o in outs:
         m = o.metrics
         assert m["num_accepted_tokens"] <= m["num_draft_tokens"] <= 3 * m["num_drafts"]

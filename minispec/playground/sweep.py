@@ -103,6 +103,10 @@ class _CountingPolicy:
         if hasattr(self.inner, "observe_step"):
             self.inner.observe_step(*timing)
 
+    def free(self, req) -> None:
+        if hasattr(self.inner, "free"):
+            self.inner.free(req)
+
 
 def encode_for(llm: LLM, prompts: list[str], chat: bool, max_tokens: int) -> tuple[list[list[int]], int]:
     """Token ids per prompt, cut from the left to leave room for max_tokens; and how many were cut. A target

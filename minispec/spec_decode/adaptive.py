@@ -251,6 +251,12 @@ class AdaptiveK:
             self.observe(req.req_id, s.asked, 0)
         s.seen_drafts, s.seen_draft_tokens, s.seen_accepted = m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens
 
+    def free(self, req) -> None:
+        """Engine hook: the request finished; forget its state."""
+        s = self.states.get(req.req_id)
+        if s is not None and s.req is req:
+            del self.states[req.req_id]
+
     def _seeded(self, req) -> bool:
         """Whether the request chooses its own k (it has a seed and seeded_costs were given)."""
         return self.seeded_costs is not None and req.params.seed is not None
