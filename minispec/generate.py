@@ -193,8 +193,8 @@ def run(args, parser, prompts: list[str]) -> int:
         cache = llm.engine.draft_logits
         if cache is not None:
             tp = get_tp_group().world_size
-            rows, k, vocab = cache.values.shape
-            rep = llm.engine.config.max_num_seqs * k * vocab * cache.values.element_size()
+            rows = cache.num_rows
+            rep = llm.engine.config.max_num_seqs * cache.row_nbytes
             print(f"[minispec] draft-logits cache ({'sharded' if cache.row_mapping is not None else 'replicated'}, "
                   f"tp={tp}): {rows} rows, {cache.nbytes / 2**20:.2f} MiB per rank "
                   f"(replicated: {llm.engine.config.max_num_seqs} rows, {rep / 2**20:.2f} MiB)")

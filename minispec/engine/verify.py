@@ -103,9 +103,8 @@ class Verifier:
         if self.draft_logits is not None:
             cache = self.draft_logits
             if sampled or self.config.record_beta:  # all-greedy verification compares tokens only
-                rows = cache.rows_of(batch.expanded_idx_mapping.long())  # [num_logits]
-                steps = batch.expanded_local_pos.long().clamp(max=k - 1)
-                draft_logits = cache.values[rows.clamp(min=0), steps]  # [num_logits, V]
+                steps = batch.expanded_local_pos.long().clamp(max=k - 1)  # [num_logits]
+                draft_logits = cache.read(batch.expanded_idx_mapping.long(), steps)  # [num_logits, V]
             stale = cache.stale_drafts(batch)
             if stale is not None:
                 stale = stale & (draft_tokens_t >= 0)

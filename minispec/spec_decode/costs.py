@@ -13,7 +13,7 @@ import torch
 from minispec.engine.model_runner import ModelRunner
 from minispec.spec_decode.adaptive import batch_bucket
 from minispec.spec_decode.draft_logits import DraftLogitsCache
-from minispec.spec_decode.ngram import ngram_drafts, write_one_hot_logits
+from minispec.spec_decode.ngram import ngram_drafts
 
 
 MIN_SAMPLE_S = 0.005  # a timed sample repeats a fast call until it lasts about this long
@@ -123,7 +123,7 @@ def _ngram_step(batch_size: int, k: int, vocab_size: int, history: list[int], ng
 
     def step():
         drafts = ngram_drafts(histories, k, *ngram_n)  # [batch_size, k]
-        write_one_hot_logits(cache, rows, torch.from_numpy(drafts).to(device))
+        cache.write_one_hot(rows, torch.from_numpy(drafts).to(device))
 
     return step
 

@@ -161,6 +161,8 @@ class DraftLogitsCache:
         sharded: bool = False,
     ):
         self.num_steps = num_steps
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
         num_rows = max_num_reqs
         # [max_num_reqs] slot -> row in values, -1 if another rank caches it; None when replicated.
         self.row_mapping: torch.Tensor | None = None
@@ -186,7 +188,8 @@ class DraftLogitsCache:
             self.row_mapping = torch.from_numpy(rows_np).to(device)  # [max_num_reqs]
             # [num_rows] the slot last drafted into each row of this rank, -1 if none.
             self.inverse_row_mapping = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
-        # [num_rows, num_steps, vocab_size]
+        self.num_rows = num_rows
+        # [num_rows, num_steps, vocab_size]; read and written through read / write / write_one_hot only
         self.values = torch.full((num_rows, num_steps, vocab_size), fill, dtype=dtype, device=device)
 
     @property
@@ -197,6 +200,33 @@ class DraftLogitsCache:
     def nbytes(self) -> int:
         """Bytes of this rank's cached draft logits (values)."""
         return self.values.numel() * self.values.element_size()
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row (one request's num_steps draft logits)."""
+        return self.nbytes // self.num_rows
+
+    def write(self, rows: torch.Tensor, step: int, logits: torch.Tensor) -> None:
+        """Cache one draft step's logits [num_mine, V] at this rank's rows [num_mine] (each >= 0)."""
+        self.values[rows, step] = logits.to(self.values.dtype)
+
+    def write_one_hot(self, rows: torch.Tensor, drafts: torch.Tensor) -> None:
+        """Cache one-hot draft logits (0 at the draft, -inf elsewhere) in the rows this rank owns.
+
+        rows: [num_reqs] each request's row (-1: another rank's); drafts: [num_reqs, k] (-1: none, its
+        logits row is all -inf and never read, since the rejection sampler rejects placeholders).
+        """
+        mine = rows >= 0  # [num_reqs]
+        self.values[rows[mine]] = float("-inf")
+        sel = mine.unsqueeze(1) & (drafts >= 0)  # [num_reqs, k]
+        row_idx = rows.unsqueeze(1).expand_as(drafts)[sel]
+        step_idx = torch.arange(drafts.shape[1], device=drafts.device).expand_as(drafts)[sel]
+        self.values[row_idx, step_idx, drafts[sel]] = 0.0
+
+    def read(self, slots: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """The cached logits [N, V] at (slots[i], steps[i]); a slot with no row here reads row 0 (stale_drafts
+        flags it)."""
+        return self.values[self.rows_of(slots).clamp(min=0).long(), steps]
 
     def assign(self, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray) -> None:
         """Give a sharded cache's rows out by batch position; call after verification and before

@@ -62,21 +62,6 @@ def ngram_drafts(histories: Sequence[Sequence[int]], k: int, min_n: int = 1, max
     return drafts
 
 
-def write_one_hot_logits(cache: DraftLogitsCache, rows: torch.Tensor, drafts: torch.Tensor) -> None:
-    """Write one-hot draft logits (0 at the draft, -inf elsewhere) into the cache rows this rank owns.
-
-    rows: [num_reqs] each request's row (-1: another rank's); drafts: [num_reqs, k] (-1: none, its
-    logits row is all -inf and never read, since the rejection sampler rejects placeholders).
-    """
-    mine = rows >= 0  # [num_reqs]
-    values = cache.values  # [num_rows, k, V]
-    values[rows[mine]] = float("-inf")
-    sel = mine.unsqueeze(1) & (drafts >= 0)  # [num_reqs, k]
-    row_idx = rows.unsqueeze(1).expand_as(drafts)[sel]
-    step_idx = torch.arange(drafts.shape[1], device=drafts.device).expand_as(drafts)[sel]
-    values[row_idx, step_idx, drafts[sel]] = 0.0
-
-
 class NgramProposer:
     """Prompt-lookup drafts (n-gram match over prompt + output) with one-hot draft logits."""
 
@@ -98,9 +83,9 @@ class NgramProposer:
         """
         k = self.k if num_steps is None else num_steps
         drafts = ngram_drafts([r.token_ids for r in reqs], k, self.min_n, self.max_n)  # [num_reqs, k]
-        device = self.device if self.device is not None else cache.values.device
+        device = self.device if self.device is not None else cache.device
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=device)  # [num_reqs]
-        write_one_hot_logits(cache, cache.rows_of(slots).long(), torch.from_numpy(drafts).to(device))
+        cache.write_one_hot(cache.rows_of(slots).long(), torch.from_numpy(drafts).to(device))
         return drafts
 
     def free(self, req: Request) -> None:

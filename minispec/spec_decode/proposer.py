@@ -57,7 +57,7 @@ class DraftModelProposer:
         (all-to-all), which caches them and samples the draft token; the tokens are then shared."""
         tp = get_tp_group()
         device = self.runner.device
-        vocab = cache.values.shape[-1]
+        vocab = cache.vocab_size
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
         sharded = cache.row_mapping is not None
         # A replicated cache keeps every request on every rank: each rank samples all of them.
@@ -80,7 +80,7 @@ class DraftModelProposer:
         for j in range(num_steps):
             logits = self.runner.forward([r.slot for r in reqs], starts, queries, [1] * len(reqs), gather=not sharded)
             logits = rows_to_owners(tp, logits, owners)[:, :vocab] if sharded else logits  # [num_mine, V]
-            cache.values[rows, j] = logits.to(cache.values.dtype)
+            cache.write(rows, j, logits)
             if sampling.greedy:
                 tok = logits.argmax(dim=-1)
             else:
