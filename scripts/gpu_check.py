@@ -260,7 +260,10 @@ def cmd_e2e(args) -> int:
             equal, note = compare([o.token_ids for o in outs], ms, hf, prompts)
             ok &= equal == len(prompts) or not strict
             if name == "target as draft" and strict:
-                ok &= m["acceptance_rate"] >= 0.9  # draft == target: rejections only at float32 near ties
+                # draft == target: rejections only at float32 near ties, besides the drafts that max_tokens cuts
+                # from each request's last verification (metrics count what was emitted: at most k per request).
+                rejected = m["num_draft_tokens"] - m["num_accepted_tokens"]
+                ok &= rejected <= args.k * len(prompts) + 0.1 * m["num_draft_tokens"]
             report(f"{dtype} speculative ({name}, k={args.k}) greedy == target-only",
                    f"{equal}/{len(prompts)}; {note}; acceptance {m['acceptance_rate']:.3f}, mean accepted length "
                    f"{m['mean_accepted_length']:.2f}, per position {m['accepted_per_position']}")

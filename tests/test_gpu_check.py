@@ -60,10 +60,10 @@ def test_kernels_compile_for_sm90():
 
 def test_e2e_float32(gpu_check, early_exit, capsys):
     args = ["e2e", "--device", "cpu", "--draft", early_exit, "--dtypes", "float32", "--num-prompts", "1",
-            "--max-tokens", "4"]
+            "--max-tokens", "5"]  # 1 prefill token + 4 accepted drafts: the cut bonus is not counted as a rejection
     assert gpu_check.main(args) == 0
     out = capsys.readouterr().out
-    assert "## float32 target-only greedy == transformers: 1/1 prompts x 4 tokens; all equal" in out
+    assert "## float32 target-only greedy == transformers: 1/1 prompts x 5 tokens; all equal" in out
     assert "## float32 speculative (target as draft, k=4) greedy == target-only: 1/1; all equal; acceptance 1.000" in out
     assert "## float32 speculative (early-exit draft, k=4) T=0.8: valid tokens True" in out
 
