@@ -108,7 +108,10 @@ def test_target_as_own_draft_greedy_equals_transformers(hf_outputs):
     outs = llm.generate(PROMPTS, GREEDY, use_chat_template=True)
     check_equal(outs, hf_outputs, "own draft")
     m = report("own draft k=4", outs)
-    assert m["num_draft_tokens"] > 0 and m["acceptance_rate"] == 1.0
+    assert m["num_draft_tokens"] > 0
+    # Every draft is accepted, except those max_tokens cuts from a request's last verification (metrics count
+    # what was emitted).
+    assert all(o.metrics["num_accepted_tokens"] >= 4 * (o.metrics["num_drafts"] - 1) for o in outs)
 
 
 def test_shipped_draft_is_the_default_and_greedy_equals_transformers(hf_outputs):
