@@ -36,7 +36,7 @@ def test_dequantize_matches_gguf(name):
 
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("n,k", [(37, 96), (5, 160)])
-@pytest.mark.parametrize("rows", [1, 3, 5, 16, DENSE_ROWS + 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 16, DENSE_ROWS + 2])  # each C++ tile shape
 def test_packed_linear_equals_float32_layer(name, n, k, rows):
     """Packed layer == F.linear over the dequantised weight, rel tol 1e-5 (summation order only)."""
     w, ref = packed(name, n, k, seed=rows)

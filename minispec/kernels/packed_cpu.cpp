@@ -143,31 +143,28 @@ inline void dot_rows(const float* w, const float* d, int64_t G, const float* x, 
 
 
 #ifdef MS_AVX2
-// One block of 32 codes as 4 x 8 floats, with its scale d and minimum m (0 unless Q4_1).
+// One block of 32 codes as 4 x 8 floats (codes 0-7, 8-15, 16-23, 24-31), with its scale d and
+// minimum m (0 unless Q4_1). Q4 codes are widened a byte (two codes) per 32-bit lane and split
+// with a mask and a shift: two shuffles per block, where widening each half-byte costs four.
 template <int64_t QT>
 inline void load_block(const uint8_t* b, __m256 w[4], float& d, float& m) {
   d = half_to_float(b);
   if constexpr (QT == Q8_0) {
     m = 0.0f;
-    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8)));
+    for (int i = 0; i < 4; i++)
+      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i))));
   } else {
     m = QT == Q4_1 ? half_to_float(b + 2) : 0.0f;
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (QT == Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-    if constexpr (QT == Q4_0) {  // codes q - 8 in [-8, 7]
-      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
-      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    const uint8_t* qs = b + (QT == Q4_1 ? 4 : 2);
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+    const __m256i mask = _mm256_set1_epi32(15);
+    __m256i q[4] = {_mm256_and_si256(lo, mask), _mm256_and_si256(hi, mask), _mm256_srli_epi32(lo, 4),
+                    _mm256_srli_epi32(hi, 4)};
+    for (int i = 0; i < 4; i++) {
+      if constexpr (QT == Q4_0) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(8));  // codes q - 8 in [-8, 7]
+      w[i] = _mm256_cvtepi32_ps(q[i]);
     }
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
   }
 }
 
@@ -176,6 +173,12 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// w . x for one block: (w0 . x0 + w1 . x1) + (w2 . x2 + w3 . x3), two chains of two.
+inline __m256 block_dot(const __m256 w[4], const __m256 x[4]) {
+  return _mm256_add_ps(_mm256_fmadd_ps(w[1], x[1], _mm256_mul_ps(w[0], x[0])),
+                       _mm256_fmadd_ps(w[3], x[3], _mm256_mul_ps(w[2], x[2])));
 }
 
 // RT activation rows x (stride ldx) against one packed row of G blocks: out[r * ldo] for each r.
@@ -194,21 +197,66 @@ inline void block_row_dot(const uint8_t* row, int64_t G, const float* x, int64_t
     const __m256 dg = _mm256_set1_ps(d);
     for (int r = 0; r < RT; r++) {
       const float* xg = x + r * ldx + g * GROUP;
-      __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
-      p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), p);
-      p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), p);
-      p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), p);
-      acc[r] = _mm256_fmadd_ps(dg, p, acc[r]);
+      const __m256 xv[4] = {_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8), _mm256_loadu_ps(xg + 16),
+                            _mm256_loadu_ps(xg + 24)};
+      acc[r] = _mm256_fmadd_ps(dg, block_dot(w, xv), acc[r]);
       if constexpr (QT == Q4_1) macc[r] += m * sx[r * G + g];
     }
   }
   for (int r = 0; r < RT; r++) out[r * ldo] = hsum(acc[r]) + macc[r];
 }
 
+// One activation row x against NT packed rows (stride wstride) at once: x is loaded once per block
+// for all NT rows, and the NT accumulators are independent chains. out[j] for each j.
+template <int64_t QT, int NT>
+inline void block_rows_dot(const uint8_t* rows, int64_t wstride, int64_t G, const float* x, const float* sx,
+                           float* out) {
+  constexpr int64_t GB = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
+  __m256 acc[NT];
+  float macc[NT];
+  for (int j = 0; j < NT; j++) { acc[j] = _mm256_setzero_ps(); macc[j] = 0.0f; }
+  for (int64_t g = 0; g < G; g++) {
+    const float* xg = x + g * GROUP;
+    const __m256 xv[4] = {_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8), _mm256_loadu_ps(xg + 16),
+                          _mm256_loadu_ps(xg + 24)};
+    for (int j = 0; j < NT; j++) {
+      __m256 w[4];
+      float d, m;
+      load_block<QT>(rows + j * wstride + g * GB, w, d, m);
+      acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), block_dot(w, xv), acc[j]);
+      if constexpr (QT == Q4_1) macc[j] += m * sx[g];
+    }
+  }
+  for (int j = 0; j < NT; j++) out[j] = hsum(acc[j]) + macc[j];
+}
+
+template <int64_t QT, int RT>
+void block_rows_rt(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, const float* x,
+                   const float* sx, float* out, int64_t N) {
+  for (int64_t n = begin; n < end; n++)
+    block_row_dot<QT, RT>(wd + n * wstride, G, x, G * GROUP, sx, out + n, N);
+}
+
+// Rows [begin, end) of out [M, N]: a single activation row takes 4 weight rows at a time; up to 8
+// rows are one tile (each block unpacked once for all of them); more go in tiles of 8.
 template <int64_t QT>
 void block_rows(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, const float* x,
                 int64_t M, const float* sx, float* out, int64_t N) {
   const int64_t K = G * GROUP;
+  switch (M) {
+    case 1: {
+      int64_t n = begin;
+      for (; n + 4 <= end; n += 4) block_rows_dot<QT, 4>(wd + n * wstride, wstride, G, x, sx, out + n);
+      for (; n < end; n++) block_rows_dot<QT, 1>(wd + n * wstride, wstride, G, x, sx, out + n);
+      return;
+    }
+    case 2: return block_rows_rt<QT, 2>(wd, wstride, begin, end, G, x, sx, out, N);
+    case 3: return block_rows_rt<QT, 3>(wd, wstride, begin, end, G, x, sx, out, N);
+    case 4: return block_rows_rt<QT, 4>(wd, wstride, begin, end, G, x, sx, out, N);
+    case 5: return block_rows_rt<QT, 5>(wd, wstride, begin, end, G, x, sx, out, N);
+    case 6: return block_rows_rt<QT, 6>(wd, wstride, begin, end, G, x, sx, out, N);
+    case 7: return block_rows_rt<QT, 7>(wd, wstride, begin, end, G, x, sx, out, N);
+  }
   for (int64_t n = begin; n < end; n++) {
     const uint8_t* row = wd + n * wstride;
     int64_t r = 0;  // tiles of 8, 4, then single rows: each block is unpacked once per tile
