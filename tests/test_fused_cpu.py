@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from minispec.kernels import fused_cpu
+from minispec.kernels import cpu
 from minispec.layers.activation import silu_mul
 from minispec.layers.attention import AttentionMetadata, ForwardBatch, attention, causal_mask
 from minispec.layers.rotary import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(fused_cpu.ops() is None, reason="the fused C++ kernels could not be built")
+pytestmark = pytest.mark.skipif(cpu.ops() is None, reason="the fused C++ kernels could not be built")
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 5, 64), (2, 37)])
@@ -22,7 +22,7 @@ def test_add_rms_norm(shape):
     g = torch.Generator().manual_seed(0)
     x, r = torch.randn(shape, generator=g), torch.randn(shape, generator=g) * 3
     w = torch.randn(shape[-1], generator=g)
-    ops = fused_cpu.ops()
+    ops = cpu.ops()
     torch.testing.assert_close(ops.add_rms_norm(x, None, w, 1e-5), F.rms_norm(x, w.shape, w, 1e-5),
                                rtol=1e-5, atol=1e-6)
     ref_res = x + r

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from minispec.kernels.packed_cpu import ops
+from minispec.kernels.cpu import ops
 from minispec.layers.quant import DENSE_ROWS, PackedWeight, dequantize_ref, linear, linear_ref
 
 TYPES = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0, "F16": T.F16, "BF16": T.BF16}

@@ -1,5 +1,6 @@
-"""Compiled kernels, each built on first use with a pure-torch fallback: fused_cpu (the decode step's small
-ops), packed_cpu (the packed-weight linear, C++), packed_triton (the packed-weight linear on GPU)."""
+"""Compiled kernels, built on first use, each with a pure-torch fallback: cpu (one C++ extension: the
+packed-weight linear, the decode step's small ops, every decoder layer in one call) and packed_triton
+(the packed-weight linear on GPU)."""
 from __future__ import annotations
 
 import hashlib
@@ -18,16 +19,19 @@ def _cpu_identity() -> bytes:
         return platform.processor().encode()
 
 
-def build_cpp(name: str, source: Path, cflags: list[str], what: str):
-    """Build (once, cached) the C++ extension `source` as minispec_<name>; None after one warning where it cannot be."""
+def build_cpp(name: str, sources: list[Path], cflags: list[str], what: str):
+    """Build (once, cached) the C++ extension of `sources` (.h files: hashed, not compiled) as minispec_<name>;
+    None after one warning where it cannot be."""
     if os.environ.get("MINISPEC_NO_CPP_KERNELS"):
         return None
     try:
         from torch.utils.cpp_extension import load
 
         # Source, flags and CPU in the name: each version builds once, and checkouts do not rebuild each other's.
-        digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode() + _cpu_identity()).hexdigest()[:10]
-        return load(name=f"minispec_{name}_{digest}", sources=[str(source)], extra_cflags=cflags,
+        text = b"".join(s.read_bytes() for s in sources)
+        digest = hashlib.sha256(text + " ".join(cflags).encode() + _cpu_identity()).hexdigest()[:10]
+        return load(name=f"minispec_{name}_{digest}", sources=[str(s) for s in sources if s.suffix == ".cpp"],
+                    extra_cflags=cflags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

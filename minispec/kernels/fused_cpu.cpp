@@ -1,7 +1,7 @@
 // Fused float32 CPU kernels for the small ops of a decode step (layers/norm.py, layers/attention.py,
 // models/llama.py): each replaces several torch ops and their dispatch. Float32 in, float32
 // accumulation; only the rounding order differs from the torch references beside their callers.
-#include <torch/extension.h>
+#include "cpu_ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -208,10 +208,4 @@ torch::Tensor rope_cache_attend(torch::Tensor qkv, torch::Tensor cos_sin, torch:
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) (or RMSNorm(x) without a residual)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up over [.., gate | up]");
-  m.def("rope_cache_attend", &rope_cache_attend, "RoPE, KV cache write and attention for short queries");
 }

@@ -5,7 +5,7 @@
 // minimum m; the row's value is d * q + m. The layer computes, per group,
 // d * sum(q * x) + m * sum(x), with float32 activations and float32 accumulation: the same real
 // number as x . (d * q + m); only the rounding order differs from F.linear over the dequantised row.
-#include <torch/extension.h>
+#include "cpu_ops.h"
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
@@ -366,9 +366,4 @@ torch::Tensor packed_dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("packed_linear", &packed_linear, "x [M, K] f32 @ packed w [N, K]^T -> [M, N] f32");
-  mod.def("packed_dequantize", &packed_dequantize, "packed w [N, K] -> f32 [N, K]");
 }

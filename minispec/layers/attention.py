@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minispec.kernels import fused_cpu
+from minispec.kernels import cpu
 from minispec.layers.rotary import apply_rotary
 
 
@@ -81,7 +81,7 @@ class AttentionMetadata:
     def build(batch: ForwardBatch, freqs_cis: torch.Tensor, k_cache: torch.Tensor, groups: int) -> "AttentionMetadata":
         """For a forward over batch, writing into caches shaped like k_cache; groups = n_heads / n_kv_heads."""
         write_index = (batch.write_slots * k_cache.shape[1] + batch.positions).view(-1)  # [B * L]
-        fused = batch.input_ids.numel() <= FUSED_MAX_TOKENS and fused_cpu.applies(k_cache)
+        fused = batch.input_ids.numel() <= FUSED_MAX_TOKENS and cpu.applies(k_cache)
         mask = None if fused else causal_mask(batch.positions, batch.max_ctx, groups)
         return AttentionMetadata(batch, freqs_cis, write_index, mask, fused)
 
@@ -100,7 +100,7 @@ def attention(
     batch = meta.batch
     if meta.fused and qkv.is_contiguous():
         cos_sin = torch.view_as_real(meta.freqs_cis)  # [B, L, 1, head_dim / 2, 2]
-        out = fused_cpu.ops().rope_cache_attend(
+        out = cpu.ops().rope_cache_attend(
             qkv, cos_sin, k_cache, v_cache, meta.write_index, batch.positions, batch.read_slots,
             n_heads, n_kv, hd ** -0.5,
         )  # [B * L, n_heads * head_dim]

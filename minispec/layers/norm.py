@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minispec.kernels import fused_cpu
+from minispec.kernels import cpu
 
 
 class RMSNorm(nn.Module):
@@ -17,13 +17,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_cpu.applies(x, self.weight):
-            return fused_cpu.ops().add_rms_norm(x, None, self.weight, self.eps)
+        if cpu.applies(x, self.weight):
+            return cpu.ops().add_rms_norm(x, None, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); the fused path adds into residual in place."""
-        if fused_cpu.applies(x, residual, self.weight):
-            return fused_cpu.ops().add_rms_norm(x, residual, self.weight, self.eps), residual
+        if cpu.applies(x, residual, self.weight):
+            return cpu.ops().add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = x + residual
         return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual

@@ -6,7 +6,7 @@ F16 / BF16 values. The value of code q is d * (q - 8) (Q4_0), d * q + m (Q4_1) o
 
 ``linear(x, w)`` equals ``F.linear(x.float(), w.dequantize())``, the float32 layer over the
 dequantised weight, up to float32 summation order (it computes d * sum(q * x) + m * sum(x) per
-block): the C++ op on CPU (kernels/packed_cpu.cpp), the Triton kernel on GPU
+block): the C++ op on CPU (kernels/packed_cpu.cpp, built by kernels/cpu.py), the Triton kernel on GPU
 (kernels/packed_triton.py), and that reference itself where neither is available.
 """
 from __future__ import annotations
@@ -153,6 +153,6 @@ def embedding(ids: torch.Tensor, w: torch.Tensor | PackedWeight, dtype: torch.dt
 
 
 def _cpu_ops():
-    from minispec.kernels.packed_cpu import ops
+    from minispec.kernels.cpu import ops
 
     return ops()

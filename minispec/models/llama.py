@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minispec.distributed import TPGroup, get_tp_group
+from minispec.kernels import cpu
 from minispec.layers.activation import silu_mul
 from minispec.layers.attention import AttentionMetadata, ForwardBatch, attention
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -144,16 +145,45 @@ class LlamaForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size, **kw
         )
         self.rotary = RotaryEmbedding(config, self.head_dim, device=device)
+        self._cpu_layers: tuple | None = None  # decode_layers' weight arguments, built at the first short forward
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
         """Run every token of the batch, writing its K/V at (write_slots, positions); -> [B, L, hidden]."""
         h = self.embed_tokens(batch.input_ids)  # [B, L, hidden]
         freqs_cis = self.rotary(batch.positions)  # [B, L, 1, head_dim / 2]
         meta = AttentionMetadata.build(batch, freqs_cis, kv.k[0], self.num_heads // self.num_kv_heads)
+        if meta.fused and (layers := self.cpu_layers()):  # every layer in one C++ call, same kernels
+            B, L, H = h.shape
+            out = cpu.ops().decode_layers(
+                h.view(B * L, H), *layers, kv.k, kv.v, torch.view_as_real(freqs_cis), meta.write_index,
+                batch.positions, batch.read_slots, self.num_heads, self.num_kv_heads, self.head_dim ** -0.5,
+                self.norm.eps,
+            )  # [B * L, hidden]
+            return out.view(B, L, H)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, meta, kv.k[i], kv.v[i])
         return self.norm.add_forward(h, residual)[0]
+
+    def cpu_layers(self) -> tuple | None:
+        """(weights, qtypes, biases, norms) for kernels/cpu_ops.cpp's decode_layers, or None where it does not
+        apply: tp > 1, not float32 on CPU, or a weight that is neither packed nor dense float32."""
+        if self._cpu_layers is None:
+            self._cpu_layers = ()
+            linears = [m for layer in self.layers
+                       for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+            dense = [m.weight for m in linears if not isinstance(m.weight, PackedWeight)]
+            if self.tp_group.world_size == 1 and self.dtype == torch.float32 and self.device.type == "cpu" and \
+                    cpu.applies(*dense) and all(m.weight is not None for m in linears):
+                norms = [n.weight for layer in self.layers for n in (layer.input_layernorm,
+                                                                       layer.post_attention_layernorm)]
+                self._cpu_layers = (
+                    [m.weight.data if isinstance(m.weight, PackedWeight) else m.weight for m in linears],
+                    [m.weight.qtype if isinstance(m.weight, PackedWeight) else 0 for m in linears],
+                    [m.bias if m.bias is not None else torch.empty(0) for m in linears],
+                    norms + [self.norm.weight],
+                )
+        return self._cpu_layers or None
 
     def compute_logits(self, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """h [N, hidden] -> float32 logits [N, vocab_size] (gather) or this rank's shard
@@ -172,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, state_dict) -> None:
         """Copy this rank's shards from a full (unsharded) Hugging Face state dict (name -> tensor or
         PackedWeight); a shard split that cuts a quantisation block is a ModelLoadError."""
+        self._cpu_layers = None
         try:
             self._load_weights(state_dict)
         except ModelLoadError:

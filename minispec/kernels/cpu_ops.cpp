@@ -1,0 +1,57 @@
+// Every decoder layer of a Llama-family model in one call, for the short forwards of decode and
+// verification on CPU (tp = 1, float32), and the bindings of all CPU kernels. The layer is the one
+// models/llama.py runs op by op (LlamaDecoderLayer.forward): the same kernels in the same order, so
+// the results are the same floats; only the Python between the ops is gone.
+#include "cpu_ops.h"
+
+#include <vector>
+
+namespace {
+
+// x [T, K] @ weight i ^T (+ bias i): qtype 0 = a dense float32 [N, K] weight, else GGUF-packed rows.
+torch::Tensor layer_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                           const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases, size_t i) {
+  torch::Tensor y = qtypes[i] == 0 ? at::linear(x, weights[i]) : packed_linear(x, weights[i], qtypes[i], x.size(1));
+  if (biases[i].numel()) y.add_(biases[i]);
+  return y;
+}
+
+}  // namespace
+
+// h [T, H]: the tokens' embeddings, consumed as the residual stream. Per layer l: weights and
+// biases 4l..4l+3 are qkv, o, gate|up, down (an empty bias tensor: none), norms 2l and 2l + 1 the
+// input and post-attention RMSNorm weights; norms[2 * layers] is the final norm. The attention
+// arguments are rope_cache_attend's. Returns the final normed hidden states [T, H].
+torch::Tensor decode_layers(torch::Tensor h, const std::vector<torch::Tensor>& weights,
+                            const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases,
+                            const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& k_caches,
+                            const std::vector<torch::Tensor>& v_caches, torch::Tensor cos_sin,
+                            torch::Tensor write_index, torch::Tensor positions, torch::Tensor read_slots,
+                            int64_t n_heads, int64_t n_kv_heads, double scale, double eps) {
+  const size_t layers = k_caches.size();
+  TORCH_CHECK(layers > 0 && v_caches.size() == layers && weights.size() == 4 * layers &&
+                  qtypes.size() == weights.size() && biases.size() == weights.size() && norms.size() == 2 * layers + 1,
+              "decode_layers: 4 weights, 4 biases, 2 norms and 2 caches per layer, and a final norm");
+  TORCH_CHECK(h.dim() == 2, "decode_layers: h must be [T, H]");
+  torch::Tensor residual = h;
+  torch::Tensor x = add_rms_norm(h, c10::nullopt, norms[0], eps), mlp;
+  for (size_t l = 0; l < layers; l++) {
+    if (l > 0) x = add_rms_norm(mlp, residual, norms[2 * l], eps);
+    const torch::Tensor qkv = layer_linear(x, weights, qtypes, biases, 4 * l);
+    const torch::Tensor attn = rope_cache_attend(qkv, cos_sin, k_caches[l], v_caches[l], write_index, positions,
+                                                 read_slots, n_heads, n_kv_heads, scale);
+    x = add_rms_norm(layer_linear(attn, weights, qtypes, biases, 4 * l + 1), residual, norms[2 * l + 1], eps);
+    mlp = layer_linear(silu_mul(layer_linear(x, weights, qtypes, biases, 4 * l + 2)), weights, qtypes, biases,
+                       4 * l + 3);
+  }
+  return add_rms_norm(mlp, residual, norms[2 * layers], eps);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("packed_linear", &packed_linear, "x [M, K] f32 @ packed w [N, K]^T -> [M, N] f32");
+  m.def("packed_dequantize", &packed_dequantize, "packed w [N, K] -> f32 [N, K]");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) (or RMSNorm(x) without a residual)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over [.., gate | up]");
+  m.def("rope_cache_attend", &rope_cache_attend, "RoPE, KV cache write and attention for short queries");
+  m.def("decode_layers", &decode_layers, "every decoder layer over a short forward, in one call");
+}
