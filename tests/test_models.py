@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from minispec.engine.kv_cache import KVCache
 from minispec.layers.attention import ForwardBatch
 from minispec.models.loader import load_model
-from tests.utils import make_tiny_model_dir, requires_smollm2, smollm2_gguf_path
+from tests.utils import make_tiny_gguf, make_tiny_model_dir, requires_smollm2, smollm2_gguf_path
 
 CASES = {
     "llama-untied": ("llama", dict(tie_word_embeddings=False)),
@@ -203,3 +203,28 @@ def test_smollm2_alias_matches_transformers(smollm2):
     # (logits up to ~30 here; measured 1.1e-4 absolute, 4e-6 relative).
     assert (ours - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     assert ours[-1].argmax().item() == ref[-1].argmax().item()
+
+
+@pytest.mark.parametrize("kind", ["dense", "Q4_1", "Q8_0"])
+def test_decode_layers_equals_layer_by_layer(kind, tmp_path):
+    """kernels/cpu_ops.cpp's decode_layers (every layer in one C++ call) gives the same floats as the
+    op-by-op Python path (torch.equal): decode (1 token), verify (5) and a padded batch (2 x 3)."""
+    if kind == "dense":
+        path = make_tiny_model_dir(tmp_path, attention_bias=True, mlp_bias=True, seed=4)
+    else:
+        path = make_tiny_gguf(tmp_path / "tiny.gguf", qtype=kind, seed=4)
+    model = load_model(path, dtype=torch.float32, device="cpu").model
+    if model.cpu_layers() is None:
+        pytest.skip("the C++ CPU kernels could not be built")
+    runs = []
+    for one_call in (True, False):
+        layers = model.cpu_layers()
+        model.cpu_layers = (lambda: layers) if one_call else (lambda: None)
+        kv = new_kv(model)
+        logits = run(model, kv, [0, 1], [0, 0], [prompt(12, 1), prompt(20, 2)])  # prefill (torch path)
+        logits += run(model, kv, [0], [12], [prompt(1, 3)])
+        logits += run(model, kv, [1], [20], [prompt(5, 4)])
+        logits += run(model, kv, [0, 1], [13, 25], [prompt(3, 5), prompt(2, 6)])
+        runs.append(logits)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

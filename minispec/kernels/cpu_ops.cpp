@@ -8,12 +8,14 @@
 
 namespace {
 
-// x [T, K] @ weight i ^T (+ bias i): qtype 0 = a dense float32 [N, K] weight, else GGUF-packed rows.
+// x [T, K] @ weight i ^T (+ bias i), as layers/quant.py's linear computes it: qtype 0 = a dense
+// float32 [N, K] weight (F.linear), else GGUF-packed rows and then the bias.
 torch::Tensor layer_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                            const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases, size_t i) {
-  torch::Tensor y = qtypes[i] == 0 ? at::linear(x, weights[i]) : packed_linear(x, weights[i], qtypes[i], x.size(1));
-  if (biases[i].numel()) y.add_(biases[i]);
-  return y;
+  const bool has_bias = biases[i].numel() > 0;
+  if (qtypes[i] == 0) return has_bias ? at::linear(x, weights[i], biases[i]) : at::linear(x, weights[i]);
+  torch::Tensor y = packed_linear(x, weights[i], qtypes[i], x.size(1));
+  return has_bias ? y.add_(biases[i]) : y;
 }
 
 }  // namespace
