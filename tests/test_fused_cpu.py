@@ -41,7 +41,7 @@ def test_silu_mul(shape):
     torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (4, 4, 16), (4, 1, 24)])
+@pytest.mark.parametrize("n_heads,n_kv,head_dim", [(9, 3, 64), (4, 4, 16), (4, 1, 24), (2, 1, 96)])
 @pytest.mark.parametrize("slots,starts,lens", [
     ([0], [40], [1]),  # batch-1 decode
     ([1], [7], [3]),  # a verify of 2 drafts
