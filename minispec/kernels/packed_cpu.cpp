@@ -7,6 +7,7 @@
 // number as x . (d * q + m); only the rounding order differs from F.linear over the dequantised row.
 #include "cpu_ops.h"
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -181,6 +182,11 @@ inline __m256 block_dot(const __m256 w[4], const __m256 x[4]) {
                        _mm256_fmadd_ps(w[3], x[3], _mm256_mul_ps(w[2], x[2])));
 }
 
+// Part g of a prefetch of `lines` cache lines from p, per_block lines per part.
+inline void prefetch_part(const char* p, int64_t lines, int64_t per_block, int64_t g) {
+  for (int64_t i = g * per_block; i < std::min(lines, (g + 1) * per_block); i++) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
+}
+
 // RT activation rows x (stride ldx) against one packed row of G blocks: out[r * ldo] for each r.
 // sx [RT, G] (stride G): per-block sums of x, read for Q4_1's minima only.
 template <int64_t QT, int RT>
@@ -190,7 +196,10 @@ inline void block_row_dot(const uint8_t* row, int64_t G, const float* x, int64_t
   __m256 acc[RT];
   float macc[RT];
   for (int r = 0; r < RT; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
+  const char* ahead = reinterpret_cast<const char*>(row + 2 * G * GB);  // the row after next
+  const int64_t lines = (G * GB + 63) / 64, per_block = (lines + G - 1) / G;
   for (int64_t g = 0; g < G; g++) {
+    prefetch_part(ahead, lines, per_block, g);
     __m256 w[4];
     float d, m;
     load_block<QT>(row + g * GB, w, d, m);
@@ -215,7 +224,12 @@ inline void block_rows_dot(const uint8_t* rows, int64_t wstride, int64_t G, cons
   __m256 acc[NT];
   float macc[NT];
   for (int j = 0; j < NT; j++) { acc[j] = _mm256_setzero_ps(); macc[j] = 0.0f; }
+  // The tile after next spans NT rows of contiguous bytes: prefetch it a few cache lines per block
+  // (measured: half the time of a decode step's GEMVs, whose weights stream from memory).
+  const char* ahead = reinterpret_cast<const char*>(rows + 2 * NT * wstride);
+  const int64_t lines = (NT * wstride + 63) / 64, per_block = (lines + G - 1) / G;
   for (int64_t g = 0; g < G; g++) {
+    prefetch_part(ahead, lines, per_block, g);
     const float* xg = x + g * GROUP;
     const __m256 xv[4] = {_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8), _mm256_loadu_ps(xg + 16),
                           _mm256_loadu_ps(xg + 24)};
