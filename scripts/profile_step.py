@@ -69,9 +69,11 @@ def linear_inputs(model, step) -> list[tuple[torch.nn.Module, torch.Tensor]]:
     seen = []
     hooks = [m.register_forward_hook(lambda m, args, out: seen.append((m, args[0])))
              for m in model.modules() if "Linear" in type(m).__name__]
+    model.cpu_layers = lambda: None  # the op-by-op path, whose linear modules the hooks see
     try:
         step()
     finally:
+        del model.cpu_layers
         for h in hooks:
             h.remove()
     return seen

@@ -2,9 +2,10 @@
 //
 // A weight row of K values is stored as ceil(K / 32) groups of 32 in the file's block format.
 // Each group unpacks to 32 integer codes q (or 32 floats for F16/BF16) with a scale d and a
-// minimum m; the row's value is d * q + m. The layer computes, per group,
-// d * sum(q * x) + m * sum(x), with float32 activations and float32 accumulation: the same real
-// number as x . (d * q + m); only the rounding order differs from F.linear over the dequantised row.
+// minimum m; the row's value is d * q + m. With float32 activations and float32 accumulation, the
+// layer computes either, per group, d * sum(q * x) + m * sum(x) (one activation row: the cheapest
+// per block) or x . (d * q + m) with the block dequantised once for up to 8 rows: the same real
+// number; only the rounding order differs from F.linear over the dequantised row.
 #include "cpu_ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -188,14 +189,16 @@ inline void prefetch_part(const char* p, int64_t lines, int64_t per_block, int64
 }
 
 // RT activation rows x (stride ldx) against one packed row of G blocks: out[r * ldo] for each r.
-// sx [RT, G] (stride G): per-block sums of x, read for Q4_1's minima only.
+// Each block is dequantised once for the RT rows, rounded as gguf rounds it (d * q, then + m): the
+// weights are exactly the dequantised layer's, and only the summation order differs. Two
+// accumulators per row up to 5 rows (shorter chains), one beyond (registers).
 template <int64_t QT, int RT>
-inline void block_row_dot(const uint8_t* row, int64_t G, const float* x, int64_t ldx, const float* sx,
-                          float* out, int64_t ldo) {
+inline void block_row_dot(const uint8_t* row, int64_t G, const float* x, int64_t ldx, float* out, int64_t ldo) {
   constexpr int64_t GB = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
-  __m256 acc[RT];
-  float macc[RT];
-  for (int r = 0; r < RT; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
+  constexpr int A = RT <= 5 ? 2 : 1;
+  __m256 acc[RT][A];
+  for (int r = 0; r < RT; r++)
+    for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
   const char* ahead = reinterpret_cast<const char*>(row + 2 * G * GB);  // the row after next
   const int64_t lines = (G * GB + 63) / 64, per_block = (lines + G - 1) / G;
   for (int64_t g = 0; g < G; g++) {
@@ -203,16 +206,17 @@ inline void block_row_dot(const uint8_t* row, int64_t G, const float* x, int64_t
     __m256 w[4];
     float d, m;
     load_block<QT>(row + g * GB, w, d, m);
-    const __m256 dg = _mm256_set1_ps(d);
+    const __m256 dg = _mm256_set1_ps(d), mg = _mm256_set1_ps(m);
+    for (int i = 0; i < 4; i++) {
+      w[i] = _mm256_mul_ps(dg, w[i]);
+      if constexpr (QT == Q4_1) w[i] = _mm256_add_ps(w[i], mg);
+    }
     for (int r = 0; r < RT; r++) {
       const float* xg = x + r * ldx + g * GROUP;
-      const __m256 xv[4] = {_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8), _mm256_loadu_ps(xg + 16),
-                            _mm256_loadu_ps(xg + 24)};
-      acc[r] = _mm256_fmadd_ps(dg, block_dot(w, xv), acc[r]);
-      if constexpr (QT == Q4_1) macc[r] += m * sx[r * G + g];
+      for (int i = 0; i < 4; i++) acc[r][i % A] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xg + 8 * i), acc[r][i % A]);
     }
   }
-  for (int r = 0; r < RT; r++) out[r * ldo] = hsum(acc[r]) + macc[r];
+  for (int r = 0; r < RT; r++) out[r * ldo] = hsum(A == 2 ? _mm256_add_ps(acc[r][0], acc[r][A - 1]) : acc[r][0]);
 }
 
 // One activation row x against NT packed rows (stride wstride) at once: x is loaded once per block
@@ -246,9 +250,8 @@ inline void block_rows_dot(const uint8_t* rows, int64_t wstride, int64_t G, cons
 
 template <int64_t QT, int RT>
 void block_rows_rt(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, const float* x,
-                   const float* sx, float* out, int64_t N) {
-  for (int64_t n = begin; n < end; n++)
-    block_row_dot<QT, RT>(wd + n * wstride, G, x, G * GROUP, sx, out + n, N);
+                   float* out, int64_t N) {
+  for (int64_t n = begin; n < end; n++) block_row_dot<QT, RT>(wd + n * wstride, G, x, G * GROUP, out + n, N);
 }
 
 // Rows [begin, end) of out [M, N]: a single activation row takes 4 weight rows at a time; up to 8
@@ -264,19 +267,19 @@ void block_rows(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, 
       for (; n < end; n++) block_rows_dot<QT, 1>(wd + n * wstride, wstride, G, x, sx, out + n);
       return;
     }
-    case 2: return block_rows_rt<QT, 2>(wd, wstride, begin, end, G, x, sx, out, N);
-    case 3: return block_rows_rt<QT, 3>(wd, wstride, begin, end, G, x, sx, out, N);
-    case 4: return block_rows_rt<QT, 4>(wd, wstride, begin, end, G, x, sx, out, N);
-    case 5: return block_rows_rt<QT, 5>(wd, wstride, begin, end, G, x, sx, out, N);
-    case 6: return block_rows_rt<QT, 6>(wd, wstride, begin, end, G, x, sx, out, N);
-    case 7: return block_rows_rt<QT, 7>(wd, wstride, begin, end, G, x, sx, out, N);
+    case 2: return block_rows_rt<QT, 2>(wd, wstride, begin, end, G, x, out, N);
+    case 3: return block_rows_rt<QT, 3>(wd, wstride, begin, end, G, x, out, N);
+    case 4: return block_rows_rt<QT, 4>(wd, wstride, begin, end, G, x, out, N);
+    case 5: return block_rows_rt<QT, 5>(wd, wstride, begin, end, G, x, out, N);
+    case 6: return block_rows_rt<QT, 6>(wd, wstride, begin, end, G, x, out, N);
+    case 7: return block_rows_rt<QT, 7>(wd, wstride, begin, end, G, x, out, N);
   }
   for (int64_t n = begin; n < end; n++) {
     const uint8_t* row = wd + n * wstride;
     int64_t r = 0;  // tiles of 8, 4, then single rows: each block is unpacked once per tile
-    for (; r + 8 <= M; r += 8) block_row_dot<QT, 8>(row, G, x + r * K, K, sx + r * G, out + r * N + n, N);
-    for (; r + 4 <= M; r += 4) block_row_dot<QT, 4>(row, G, x + r * K, K, sx + r * G, out + r * N + n, N);
-    for (; r < M; r++) block_row_dot<QT, 1>(row, G, x + r * K, K, sx + r * G, out + r * N + n, N);
+    for (; r + 8 <= M; r += 8) block_row_dot<QT, 8>(row, G, x + r * K, K, out + r * N + n, N);
+    for (; r + 4 <= M; r += 4) block_row_dot<QT, 4>(row, G, x + r * K, K, out + r * N + n, N);
+    for (; r < M; r++) block_row_dot<QT, 1>(row, G, x + r * K, K, out + r * N + n, N);
   }
 }
 
