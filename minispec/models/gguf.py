@@ -61,8 +61,12 @@ GGUF_CONFIG_KEYS = {
     "mistral": _LLAMA_KEYS,
     "qwen2": {k: v for k, v in _LLAMA_KEYS.items() if k != "rope.dimension_count"},
 }
-# transformers' defaults for fields a GGUF may leave out: max_position_embeddings, sliding_window
-_TYPE_DEFAULTS = {"llama": (2048, None), "mistral": (131072, 4096), "qwen2": (32768, None)}
+# transformers' defaults, per model type, for fields a GGUF may leave out
+_TYPE_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048, "sliding_window": None, "bos_token_id": 1, "eos_token_id": 2},
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen2": {"max_position_embeddings": 32768, "sliding_window": None, "bos_token_id": None, "eos_token_id": None},
+}
 
 
 @dataclass
@@ -78,7 +82,7 @@ class GGUFConfig:
     num_attention_heads: int
     num_key_value_heads: int | None = None  # None: num_attention_heads
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    max_position_embeddings: int | None = None  # None: transformers' default for model_type
+    max_position_embeddings: int | None = None  # None here and below: transformers' default for model_type
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     hidden_act: str = "silu"
@@ -93,11 +97,11 @@ class GGUFConfig:
     rope_parameters: dict = field(init=False)
 
     def __post_init__(self):
-        max_pos, window = _TYPE_DEFAULTS[self.model_type]
+        for name, default in _TYPE_DEFAULTS[self.model_type].items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        self.max_position_embeddings = self.max_position_embeddings or max_pos
-        self.sliding_window = self.sliding_window or window
         self.rope_parameters = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
 
     def to_dict(self) -> dict:
