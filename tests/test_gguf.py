@@ -6,15 +6,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from minispec.layers.quant import PackedWeight
 from minispec.models.errors import ModelLoadError
-from minispec.models.gguf import GGUFFile
+from minispec.layers.rotary import rope_parameters
+from minispec.models.gguf import GGUF_CONFIG_KEYS, GGUFFile
+from minispec.models.llama import SUPPORTED_MODEL_TYPES, head_dim_of, sliding_window_of
 from minispec.models.loader import load_model
 from tests.test_models import new_kv, prompt, run
-from tests.utils import make_tiny_gguf
+from tests.utils import make_tiny_gguf, requires_smollm2, smollm2_gguf_path
 
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "F16"]
 
@@ -147,5 +150,63 @@ def test_gguf_tokenizer_is_cached_by_header(tmp_path, monkeypatch):
     again = loader._gguf_tokenizer(tmp_path / "m.gguf", b"header", "m")
     assert len(calls) == 1 and again is not built
     assert again("a b a")["input_ids"] == first("a b a")["input_ids"] == [1, 2, 1]
+    (cache,) = (tmp_path / "gguf-tokenizers").iterdir()
+    auto = AutoTokenizer.from_pretrained(cache)  # what the cache read went through before
+    assert type(again) is type(auto) and auto("a b a")["input_ids"] == [1, 2, 1]
     loader._gguf_tokenizer(tmp_path / "m.gguf", b"another header", "m")
     assert len(calls) == 2
+
+
+# ---- the config, built without transformers' model-config modules ----------------------------
+
+CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
+                 "hidden_act", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def transformers_config(f: GGUFFile, model_type: str):
+    """The config transformers builds from the same metadata: its GGUF key mapping, AutoConfig.for_model."""
+    values = {hf: v.tolist() if hasattr(v, "tolist") else v for key, hf in GGUF_CONFIG_MAPPING[model_type].items()
+              if hf is not None and (v := f.metadata.get(f"{f.architecture}.{key}")) is not None}
+    if "vocab_size" not in values and "tokenizer.ggml.tokens" in f.metadata:
+        values["vocab_size"] = len(f.metadata["tokenizer.ggml.tokens"])
+    values["tie_word_embeddings"] = "output.weight" not in f.tensors
+    for key, hf in (("bos", "bos"), ("eos", "eos"), ("padding", "pad")):
+        if f"tokenizer.ggml.{key}_token_id" in f.metadata:
+            values[f"{hf}_token_id"] = int(f.metadata[f"tokenizer.ggml.{key}_token_id"])
+    return AutoConfig.for_model(model_type, **values)
+
+
+def assert_same_config(ours, ref):
+    for name in CONFIG_FIELDS:
+        assert getattr(ours, name, None) == getattr(ref, name, None), name
+    for name in ("attention_bias", "mlp_bias"):  # read as getattr(config, name, False)
+        assert bool(getattr(ours, name, False)) == bool(getattr(ref, name, False)), name
+    assert head_dim_of(ours) == head_dim_of(ref)
+    assert sliding_window_of(ours) == sliding_window_of(ref)
+    assert rope_parameters(ours) == rope_parameters(ref)
+
+
+def test_gguf_config_keys_are_transformers_mapping():
+    for model_type in SUPPORTED_MODEL_TYPES:
+        assert GGUF_CONFIG_KEYS[model_type] == {k: v for k, v in GGUF_CONFIG_MAPPING[model_type].items() if v}
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_gguf_config_equals_transformers(model_type, tmp_path):
+    """GGUFFile.config() == transformers' config of the same metadata on every field minispec reads, for a
+    llama file and the same file read as mistral (renamed, as llama.cpp stores it) and qwen2."""
+    with GGUFFile(make_tiny_gguf(tmp_path / "m.gguf", tied=False)) as f:
+        if model_type == "mistral":
+            f.metadata["general.name"] = "Mistral tiny"
+        if model_type == "qwen2":
+            f.metadata = {k.replace("llama.", "qwen2.", 1): v for k, v in f.metadata.items()}
+            f.metadata["general.architecture"] = "qwen2"
+        f.metadata.pop(f"{f.architecture}.context_length", None)  # transformers' default, per model type
+        assert_same_config(f.config(), transformers_config(f, model_type))
+
+
+@requires_smollm2
+def test_smollm2_gguf_config_equals_transformers():
+    with GGUFFile(smollm2_gguf_path()) as f:
+        assert_same_config(f.config(), transformers_config(f, "llama"))

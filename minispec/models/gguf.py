@@ -1,4 +1,4 @@
-"""Read a GGUF file as it ships: its metadata, a Hugging Face config, and its tensors, packed.
+"""Read a GGUF file as it ships: its metadata, its config, and its tensors, packed.
 
 ``GGUFFile`` parses the header itself (the gguf package's constants name the types and their block
 sizes) and memory-maps the tensor data; ``weights()`` maps Hugging Face names to dense tensors
@@ -16,6 +16,7 @@ import mmap
 import re
 import struct
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,66 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# GGUF metadata key (after "<arch>.") -> config field, as transformers maps them (tests/test_gguf.py checks
+# this against transformers.integrations.ggml.GGUF_CONFIG_MAPPING); qwen2 ignores rope.dimension_count.
+_LLAMA_KEYS = {
+    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+    "rope.dimension_count": "head_dim", "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size",
+}
+GGUF_CONFIG_KEYS = {
+    "llama": _LLAMA_KEYS,
+    "mistral": _LLAMA_KEYS,
+    "qwen2": {k: v for k, v in _LLAMA_KEYS.items() if k != "rope.dimension_count"},
+}
+# transformers' defaults, per model type, for fields a GGUF may leave out
+_TYPE_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048, "sliding_window": None, "bos_token_id": 1, "eos_token_id": 2},
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen2": {"max_position_embeddings": 32768, "sliding_window": None, "bos_token_id": None, "eos_token_id": None},
+}
+
+
+@dataclass
+class GGUFConfig:
+    """A GGUF model's config: the fields minispec reads, with the defaults of transformers' config for
+    its model_type (building that one imports transformers' model modules, seconds of a load)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None  # None: num_attention_heads
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int | None = None  # None here and below: transformers' default for model_type
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    use_sliding_window: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    rope_parameters: dict = field(init=False)
+
+    def __post_init__(self):
+        for name, default in _TYPE_DEFAULTS[self.model_type].items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        self.rope_parameters = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 def hf_name(name: str) -> str | None:
@@ -225,32 +286,32 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
-    def config(self):
-        """The Hugging Face config, built from the metadata with transformers' own GGUF key mapping."""
-        from transformers import AutoConfig
-        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-
+    def config(self) -> GGUFConfig:
+        """The model's config from the metadata (the fields and defaults transformers' config would have)."""
         arch = self.architecture
         model_type = arch
         if arch == "llama" and "mistral" in str(self.metadata.get("general.name", "")).lower():
             model_type = "mistral"  # llama.cpp stores Mistral as llama (transformers renames it the same way)
-        mapping = GGUF_CONFIG_MAPPING.get(model_type)
-        if mapping is None:
+        if model_type not in GGUF_CONFIG_KEYS:
             raise ModelLoadError(f"unsupported GGUF architecture '{arch}' in {self.path.name}")
-        values = {}
-        for key, hf_key in mapping.items():
+        values: dict = {"model_type": model_type}
+        for key, field in GGUF_CONFIG_KEYS[model_type].items():
             value = self.metadata.get(f"{arch}.{key}")
-            if hf_key is not None and value is not None:
-                values[hf_key] = value.tolist() if isinstance(value, np.ndarray) else value
+            if value is not None:
+                values[field] = value.tolist() if isinstance(value, np.ndarray) else value
         if "vocab_size" not in values and "tokenizer.ggml.tokens" in self.metadata:
             values["vocab_size"] = len(self.metadata["tokenizer.ggml.tokens"])
+        missing = [f for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if f not in values]
+        if missing:
+            raise ModelLoadError(f"cannot build a config for {self.path.name}: its metadata lacks {', '.join(missing)}")
         values["tie_word_embeddings"] = "output.weight" not in self.tensors
         for key in ("bos", "eos", "padding"):
             if f"tokenizer.ggml.{key}_token_id" in self.metadata:
                 values[f"{'pad' if key == 'padding' else key}_token_id"] = int(self.metadata[f"tokenizer.ggml.{key}_token_id"])
         try:
-            return AutoConfig.for_model(model_type, **values)
-        except Exception as e:
+            return GGUFConfig(**values)
+        except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ModelLoadError(f"cannot build a config for {self.path.name}: {e}") from None
 
     def weights(self, config, dense: bool = False) -> GGUFWeights:
@@ -308,4 +369,4 @@ def _nbytes(qtype: int, shape: tuple[int, ...]) -> int | None:
     return n // block * size
 
 
-__all__ = ["GGUFFile", "GGUFWeights", "SUPPORTED_TYPES", "half_split_rope_rows", "hf_name"]
+__all__ = ["GGUF_CONFIG_KEYS", "GGUFConfig", "GGUFFile", "GGUFWeights", "SUPPORTED_TYPES", "half_split_rope_rows", "hf_name"]

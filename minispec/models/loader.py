@@ -195,12 +195,18 @@ def _load_gguf(path: Path, name: str, dtype, device, tp_group: TPGroup, packed: 
 
 def _gguf_tokenizer(path: Path, header: bytes, name: str):
     """transformers' tokenizer of a GGUF, cached as a tokenizer directory keyed by the file's header
-    (building it from the GGUF takes seconds; reading the cached one a fraction of a second)."""
-    from transformers import AutoTokenizer
-
+    (building it from the GGUF takes seconds; reading the cached one a fraction of a second). A cached fast
+    tokenizer loads through its own class: AutoTokenizer imports every model's module map (seconds)."""
     cache = _cache_dir() / "gguf-tokenizers" / hashlib.sha256(header).hexdigest()[:20]
     if (cache / "tokenizer_config.json").is_file():
         with contextlib.suppress(Exception):
+            from transformers import PreTrainedTokenizerFast
+
+            saved = json.loads((cache / "tokenizer_config.json").read_text()).get("tokenizer_class")
+            if saved in ("PreTrainedTokenizerFast", PreTrainedTokenizerFast.__name__):
+                return PreTrainedTokenizerFast.from_pretrained(cache)
+            from transformers import AutoTokenizer
+
             return AutoTokenizer.from_pretrained(cache)
     tokenizer = _load_tokenizer(str(path.parent), {"gguf_file": path.name}, name)
     tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
