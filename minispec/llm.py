@@ -10,7 +10,7 @@ import torch
 
 from minispec.distributed import init_distributed
 from minispec.engine.engine import Engine, EngineConfig
-from minispec.engine.model_runner import ModelRunner
+from minispec.runner.model_runner import ModelRunner
 from minispec.engine.request import Request
 from minispec.layers.quant import PackedWeight
 from minispec.models.loader import LoadedModel, load_model

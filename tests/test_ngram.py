@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from minispec import LLM, SamplingParams
 from minispec.distributed import TPGroup
 from minispec.engine.engine import Engine
-from minispec.engine.model_runner import ModelRunner
+from minispec.runner.model_runner import ModelRunner
 from minispec.engine.request import Request
 from minispec.sample.random import RequestRandom
 from minispec.sample.sampler import probs_from_logits

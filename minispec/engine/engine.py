@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from minispec.distributed import get_tp_group
-from minispec.engine.model_runner import ModelRunner
+from minispec.runner.model_runner import ModelRunner
 from minispec.engine.request import Request
 from minispec.engine.scheduler import Scheduler, ScheduledRequest
 from minispec.engine.verify import Verdict, Verifier

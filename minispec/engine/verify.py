@@ -8,12 +8,12 @@ import torch
 
 from minispec.distributed import get_tp_group, rows_to_owners, share_from_owners
 from minispec.engine.input_batch import InputBatch
-from minispec.engine.model_runner import ModelRunner
+from minispec.runner.model_runner import ModelRunner
 from minispec.engine.request import Request
 from minispec.engine.scheduler import ScheduledRequest
 from minispec.sample.random import verify_draws
+from minispec.sample.sampler import BatchSampling
 from minispec.spec_decode.draft_logits import DraftLogitsCache, shard_owners
-from minispec.spec_decode.proposer import BatchSampling
 from minispec.spec_decode.rejection_sampler import rejection_sample
 
 
@@ -108,7 +108,7 @@ class Verifier:
             stale = cache.stale_drafts(batch)
             if stale is not None:
                 stale = stale & (draft_tokens_t >= 0)
-        sampling = BatchSampling(reqs, self.device)
+        sampling = BatchSampling([r.params for r in reqs], self.device)
         cu = torch.from_numpy(batch.cu_num_logits_np).to(self.device)
         out = rejection_sample(
             logits, draft_logits, draft_tokens_t, stale, cu, sampling.temperature, sampling.top_k,

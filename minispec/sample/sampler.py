@@ -1,7 +1,11 @@
 """Per-row logit warping (temperature, top-k, top-p), probabilities and exact sampling."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from minispec.sampling_params import SamplingParams
 
 # Exp(1) noise is clamped into this range so probs / noise never divides by 0 or by inf.
 NOISE_MIN = 1e-30
@@ -9,6 +13,25 @@ NOISE_MAX = 1e30
 # Rows with a temperature below this are shifted by their maximum before the division by T: the same
 # softmax, but logits / T cannot overflow to inf (at T = 1e-40 every logit above 3.4e-2 would).
 SHIFT_BELOW_T = 1e-4
+
+
+class BatchSampling:
+    """A batch's sampling settings as device tensors, built once per step (one entry per request)."""
+
+    __slots__ = ("temperature", "top_k", "top_p", "greedy")
+
+    def __init__(self, params: Sequence[SamplingParams], device: torch.device):
+        self.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+        self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        self.greedy = all(p.greedy for p in params)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Exact draw from each row of probs with one uniform per row: first token whose CDF exceeds u."""
+    cdf = probs.cumsum(dim=-1)  # [N, V]
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return tok.clamp_(max=probs.shape[-1] - 1)
 
 
 def _sanitize(logits: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import torch
 
-from minispec.engine.model_runner import ModelRunner
+from minispec.runner.model_runner import ModelRunner
 from minispec.spec_decode.adaptive import batch_bucket
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 from minispec.spec_decode.ngram import ngram_drafts

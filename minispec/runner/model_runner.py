@@ -6,7 +6,7 @@ import time
 import numpy as np
 import torch
 
-from minispec.engine.kv_cache import KVCache
+from minispec.runner.kv_cache import KVCache
 from minispec.layers.attention import ForwardBatch
 
 
