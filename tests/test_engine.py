@@ -270,3 +270,34 @@ def test_adaptive_k_turns_a_useless_draft_off(target_dir, draft_dir, hf_greedy):
     drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
     drafted_fixed = sum(o.metrics["num_draft_tokens"] for o in fixed.generate(PROMPTS, sp))
     assert drafted < drafted_fixed
+
+
+def test_observer_sees_each_steps_ks_and_every_beta(target_dir, draft_dir):
+    """LLM(observer=...): on_step gets the k given at every draft opportunity, on_verify (record_beta) one beta
+    per verified draft; neither changes the tokens."""
+    from minispec.engine.observer import Observer
+
+    class Recorder(Observer):
+        record_beta = True
+
+        def __init__(self):
+            self.steps, self.betas = [], []
+
+        def on_step(self, step):
+            self.steps.append(step)
+
+        def on_verify(self, reqs, betas):
+            assert len(reqs) == len(betas)
+            self.betas += [b for bs in betas for b in bs]
+
+    sp = SamplingParams(temperature=0.8, max_tokens=12, seed=3, ignore_eos=True)
+    rec = Recorder()
+    outs = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=3, max_num_seqs=4, observer=rec
+               ).generate(PROMPTS, sp)
+    plain = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=3, max_num_seqs=4).generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(k == 3 for s in rec.steps for k in s.ks)
+    assert sum(len(s.ks) for s in rec.steps) == sum(o.metrics["num_drafts"] for o in outs)
+    assert len(rec.betas) == sum(o.metrics["num_draft_tokens"] for o in outs)
+    assert all(0.0 <= b <= 1.0 + 1e-5 for b in rec.betas)
+    assert all(s.step_s >= s.forward_s > 0 for s in rec.steps)

@@ -273,6 +273,25 @@ def test_measured_costs_drive_adaptive_k(target_dir):
     assert pol.counts[0] > pol.counts[1:].sum()  # off but for the probes
 
 
+def test_costs_are_measured_before_serving(target_dir, draft_dir, monkeypatch):
+    """LLM(adaptive_k=True) measures every batch-size bucket when it is built; no step measures: with
+    measure_costs failing once the LLM exists, batches of every size up to max_num_seqs still run."""
+    from minispec.spec_decode import costs as costs_module
+
+    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=2, max_num_seqs=5, adaptive_k=True)
+    costs = llm.engine.k_policy.cost_model
+    assert set(costs.table) == {1, 2, 4, 5} and costs.measure_s > 0
+
+    def measure_in_a_step(*args, **kwargs):
+        raise AssertionError("a step measured costs")
+
+    monkeypatch.setattr(costs_module, "measure_costs", measure_in_a_step)
+    prompts = [[5, 17, 99, 3], [200, 1, 42], list(range(30, 40)), [7, 7, 7], [1, 2, 3, 4, 5]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for n in (1, 2, 3, 5):
+        assert all(len(o.token_ids) == 6 for o in llm.generate(prompts[:n], params))
+
+
 def test_config_and_overrides(tmp_path):
     smoke = os.path.join(ROOT, "configs", "playground-smoke.toml")
     cfg = load_config(smoke, {"k": parse_list("k", "2,4"), "temperature": parse_list("temperature", "0,0.8"),

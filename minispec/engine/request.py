@@ -20,7 +20,6 @@ class RequestMetrics:
     num_emitted_tokens: int = 0  # tokens emitted by verifications with drafts (accepted + drawn, as cut)
     num_stale_drafts: int = 0  # drafts rejected because their draft logits row was taken
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
-    betas: list[float] = field(default_factory=list)  # sum_x min(p, q) per verified draft, if recorded
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -44,7 +43,6 @@ class RequestMetrics:
             "num_emitted_tokens": self.num_emitted_tokens,
             "num_stale_drafts": self.num_stale_drafts,
             "accepted_per_position": list(self.accepted_per_position),
-            "betas": list(self.betas),
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "time_to_first_token_s": (self.first_token_time - self.arrival_time) if self.first_token_time else None,

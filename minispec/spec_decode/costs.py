@@ -1,7 +1,7 @@
 """Cost ratios on a fixed context: draft step vs target step (c), and (k + 1)-token vs 1-token target forwards.
 
 Used by the playground's predictions and by AdaptiveK's measured cost model (MeasuredCosts), which
-measures them on the engine's own models at each batch size the engine runs.
+measures them on the engine's own models at every batch-size bucket before serving.
 """
 from __future__ import annotations
 
@@ -130,34 +130,33 @@ def _ngram_step(batch_size: int, k: int, vocab_size: int, history: list[int], ng
 
 class MeasuredCosts:
     """AdaptiveK's cost model: (c, [v_0 = 1, v_1 .. v_k_max]) at a batch size, measured by measure_costs on
-    the engine's own target and draft on first use of each power-of-two batch bucket (then cached).
+    the engine's own target and draft for every power-of-two batch bucket up to max_batch_size, all of them
+    when it is built (before serving: a step never measures).
 
     draft: the native draft model, or "ngram". Under tensor parallelism every rank measures (the forwards
-    are collective) and all use rank 0's numbers, so their choices agree. Measuring takes a few forwards per bucket (about a
-    second for SmolLM2-135M on a CPU); runners of their own keep the engine's KV cache untouched.
+    are collective) and all use rank 0's numbers, so their choices agree. Runners of its own keep the
+    engine's KV cache untouched. measure_s: the seconds measuring took.
     """
 
     def __init__(self, target_model, draft, k_max: int, max_batch_size: int, vocab_size: int, dtype, device,
                  context: int = 128, repeats: int = 3):
-        self.target_model, self.draft = target_model, draft
         self.k_max, self.max_batch_size = k_max, max_batch_size
-        self.vocab_size, self.dtype, self.device = vocab_size, dtype, device
-        self.context, self.repeats = context, repeats
         self.table: dict[int, tuple[float, list[float]]] = {}  # bucket -> (c, verify costs)
+        t0 = time.perf_counter()
+        for b in sorted({self.bucket(n) for n in range(1, max_batch_size + 1)}):
+            costs = measure_costs(target_model, {"draft": draft}, k_max, b, context, repeats, vocab_size, dtype,
+                                  device)
+            values = torch.tensor([costs["c"]["draft"]] + [costs["verify_ratio_fit"][k] for k in
+                                                              range(1, k_max + 1)], dtype=torch.float64)
+            tp = getattr(target_model, "tp_group", None)
+            if tp is not None and tp.world_size > 1:  # every rank must choose the same k: rank 0's timings
+                values = tp.broadcast(values.to(tp.device)).cpu()
+            self.table[b] = (float(values[0]), [1.0] + values[1:].tolist())
+        self.measure_s = time.perf_counter() - t0
 
     def bucket(self, batch_size: int) -> int:
         """The power of two at or above batch_size, capped at max_batch_size."""
         return min(self.max_batch_size, batch_bucket(batch_size))
 
     def __call__(self, batch_size: int) -> tuple[float, list[float]]:
-        b = self.bucket(batch_size)
-        if b not in self.table:
-            costs = measure_costs(self.target_model, {"draft": self.draft}, self.k_max, b, self.context,
-                                  self.repeats, self.vocab_size, self.dtype, self.device)
-            values = torch.tensor([costs["c"]["draft"]] + [costs["verify_ratio_fit"][k] for k in
-                                                              range(1, self.k_max + 1)], dtype=torch.float64)
-            tp = getattr(self.target_model, "tp_group", None)
-            if tp is not None and tp.world_size > 1:  # every rank must choose the same k: rank 0's timings
-                values = tp.broadcast(values.to(tp.device)).cpu()
-            self.table[b] = (float(values[0]), [1.0] + values[1:].tolist())
-        return self.table[b]
+        return self.table[self.bucket(batch_size)]
