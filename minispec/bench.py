@@ -392,14 +392,14 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
             meas = ts / ms_base[key] if ts and ms_base.get(key) else None
             d.update(acceptance_rate=m["acceptance_rate"], mean_accepted_length=m["mean_accepted_length"],
                      alpha=alpha, draft_cost_ratio=c, verify_ratio=v, measured_speedup=meas, predicted_speedup=pred,
-                     engine_efficiency=meas / pred if meas else None, num_drafts=m["num_drafts"],
-                     num_draft_tokens=m["num_draft_tokens"], num_accepted_tokens=m["num_accepted_tokens"],
+                     engine_efficiency=meas / pred if meas else None,
+                     num_spec_verifications=m["num_spec_verifications"], num_draft_tokens=m["num_draft_tokens"], num_accepted_tokens=m["num_accepted_tokens"],
                      accepted_per_position=m["accepted_per_position"])
         elif r.system == "minispec" and r.method == "adaptive-k" and r.outputs:
             m = aggregate(r.outputs)
             d.update(acceptance_rate=m["acceptance_rate"], mean_accepted_length=m["mean_accepted_length"],
                      measured_speedup=ts / ms_base[key] if ts and ms_base.get(key) else None,
-                     num_drafts=m["num_drafts"], num_draft_tokens=m["num_draft_tokens"],
+                     num_spec_verifications=m["num_spec_verifications"], num_draft_tokens=m["num_draft_tokens"],
                      num_accepted_tokens=m["num_accepted_tokens"])
         out_rows.append(d)
     if llama is not None:

@@ -167,7 +167,7 @@ class Engine:
             r.drafts = None
             new, reason = self._append(r, tokens[i][:n])
             if nd:  # count what was emitted: a stop token or max_tokens may cut the accepted run
-                m.num_drafts += 1
+                m.num_spec_verifications += 1
                 m.num_draft_tokens += nd
                 m.num_accepted_tokens += min(num_accepted, len(new))
                 m.num_emitted_tokens += len(new)

@@ -14,7 +14,7 @@ from minispec.sampling_params import SamplingParams
 class RequestMetrics:
     """Speculation and timing counters of one request."""
 
-    num_drafts: int = 0  # verifications that had at least one draft
+    num_spec_verifications: int = 0  # verifications that had at least one draft
     num_draft_tokens: int = 0  # drafts verified (placeholders excluded)
     num_accepted_tokens: int = 0  # accepted drafts that were emitted (a stop or max_tokens cuts a run)
     num_emitted_tokens: int = 0  # tokens emitted by verifications with drafts (accepted + drawn, as cut)
@@ -27,7 +27,7 @@ class RequestMetrics:
     @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per verification with drafts (1 + accepted / drafts unless a stop cut a run)."""
-        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 1.0
+        return self.num_emitted_tokens / self.num_spec_verifications if self.num_spec_verifications else 1.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -37,7 +37,7 @@ class RequestMetrics:
     def as_dict(self, num_generated: int) -> dict:
         elapsed = (self.finish_time or time.perf_counter()) - self.arrival_time
         return {
-            "num_drafts": self.num_drafts,
+            "num_spec_verifications": self.num_spec_verifications,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_emitted_tokens": self.num_emitted_tokens,

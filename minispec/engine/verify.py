@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minispec.distributed import get_tp_group, rows_to_owners, share_from_owners
+from minispec.distributed import get_tp_group, to_owners, share_from_owners
 from minispec.engine.input_batch import InputBatch
 from minispec.engine.observer import Observer
 from minispec.engine.request import Request
@@ -72,7 +72,7 @@ class Verifier:
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
         owners = self._owners(slots)  # [num_reqs]
         num_logits_v = np.array([1 + r.num_drafts for r in reqs], dtype=np.int64)
-        logits = rows_to_owners(self.tp, logits, np.repeat(owners, num_logits_v))[:, : self.vocab_size]
+        logits = to_owners(self.tp, logits, np.repeat(owners, num_logits_v))[:, : self.vocab_size]
         # Every rank draws every request's randomness (streams stay in step), owners use theirs.
         u, noise = verify_draws([None if r.params.greedy else r.random.verify for r in reqs], self.k, self.vocab_size)
         mine = owners == self.tp.rank_in_group
@@ -102,12 +102,12 @@ class Verifier:
         draft_tokens_t = torch.from_numpy(draft_tokens).to(self.device)
         sampled = any(not r.params.greedy for r in reqs)
         record_beta = self.observer.record_beta and self.draft_logits is not None
-        draft_logits, stale = logits, None  # without a cache every row is a bonus row
+        draft_logits, stale = logits, None  # without a cache every logits position is a bonus
         if self.draft_logits is not None:
             cache = self.draft_logits
             if sampled or record_beta:  # all-greedy verification compares tokens only
                 steps = batch.expanded_local_pos.long().clamp(max=k - 1)  # [num_logits]
-                draft_logits = cache.read(batch.expanded_idx_mapping.long(), steps)  # [num_logits, V]
+                draft_logits = cache.read(batch.expanded_slots.long(), steps)  # [num_logits, V]
             stale = cache.stale_drafts(batch)
             if stale is not None:
                 stale = stale & (draft_tokens_t >= 0)
@@ -121,12 +121,12 @@ class Verifier:
         tokens = torch.full((n, k + 1), -1, dtype=torch.int64)  # [num_reqs, k + 1]
         tokens[:, : out[0].shape[1]] = out[0].cpu()
         # A target that emits NaN or +inf logits cannot be sampled from: the request ends with an error.
-        bad_row = ~torch.isfinite(logits.amax(dim=-1)).cpu()  # [num_logits]; NaN, +inf or nothing finite
-        req_of_row = torch.repeat_interleave(torch.arange(n), torch.from_numpy(num_logits))  # [num_logits]
-        bad = torch.zeros(n, dtype=torch.int64).index_add_(0, req_of_row, bad_row.long()) > 0  # [num_reqs]
+        bad_pos = ~torch.isfinite(logits.amax(dim=-1)).cpu()  # [num_logits]; NaN, +inf or nothing finite
+        req_of_pos = torch.repeat_interleave(torch.arange(n), torch.from_numpy(num_logits))  # [num_logits]
+        bad = torch.zeros(n, dtype=torch.int64).index_add_(0, req_of_pos, bad_pos.long()) > 0  # [num_reqs]
         num_stale = torch.zeros(n, dtype=torch.int64)  # [num_reqs]
         if stale is not None:
-            num_stale.index_add_(0, req_of_row, stale.cpu().long())
+            num_stale.index_add_(0, req_of_pos, stale.cpu().long())
         if record_beta:
             self._record_beta(reqs, batch, draft_tokens, stale, *out[2:])
         return Verdict(tokens, out[1].cpu().to(torch.int64), num_stale, bad)

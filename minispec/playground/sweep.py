@@ -169,14 +169,14 @@ def run_one(run: SweepLLM, prompt_ids: list[list[int]], params: list[SamplingPar
 def make_row(res: dict, k: int, costs: dict, draft_name: str | None) -> dict:
     """Derived quantities of one run: the estimators of tools/metrics.py, per-position rates, beta stats, predicted
     speedup. alpha (the i.i.d. MLE) assumes a fixed k: the adaptive rows drop it."""
-    nd, tau, alpha = res["num_drafts"], res["mean_accepted_length"], res["alpha"]
+    nd, tau, alpha = res["num_spec_verifications"], res["mean_accepted_length"], res["alpha"]
     betas = res["betas"]
     opportunities = int(np.sum(res["k_counts"][1:])) if res["k_counts"] else 0
     row = {
         "num_generated": res["num_tokens"],
         "elapsed_s": res["elapsed_s"],
         "tokens_per_s": res["num_tokens"] / res["elapsed_s"] if res["elapsed_s"] > 0 else 0.0,
-        "num_drafts": nd,
+        "num_spec_verifications": nd,
         "num_draft_tokens": res["num_draft_tokens"],
         "num_accepted_tokens": res["num_accepted_tokens"],
         "num_emitted_tokens": res["num_emitted_tokens"],

@@ -80,7 +80,7 @@ class _RequestState:
     req: object  # the Request this state belongs to (a new request reusing the id starts afresh)
     seen_draft_tokens: int = 0  # the request's counters at the previous call
     seen_accepted: int = 0
-    seen_drafts: int = 0
+    seen_verifications: int = 0
     asked: int = 0  # the k this policy gave it last time
     successes: float = 0.0
     trials: float = 0.0
@@ -239,11 +239,12 @@ class AdaptiveK:
             prior = self.prior_alpha if self._seeded(req) else self.prior()
             s = self.states[req.req_id] = _RequestState(req, successes=prior * self.prior_weight,
                                                          trials=self.prior_weight, probe_gap=self.probe_every)
-        if m.num_drafts > s.seen_drafts:  # the last step verified drafts of ours: one observation
+        if m.num_spec_verifications > s.seen_verifications:  # the last step verified drafts of ours: one observation
             self.observe(req.req_id, m.num_draft_tokens - s.seen_draft_tokens, m.num_accepted_tokens - s.seen_accepted)
         elif s.asked:  # asked for drafts, got none (an n-gram miss): nothing to accept, a failed run
             self.observe(req.req_id, s.asked, 0)
-        s.seen_drafts, s.seen_draft_tokens, s.seen_accepted = m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens
+        s.seen_verifications, s.seen_draft_tokens = m.num_spec_verifications, m.num_draft_tokens
+        s.seen_accepted = m.num_accepted_tokens
 
     def free(self, req) -> None:
         """Engine hook: the request finished; forget its state."""

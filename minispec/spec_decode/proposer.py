@@ -6,7 +6,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from minispec.distributed import get_tp_group, rows_from_owners, rows_to_owners
+from minispec.distributed import get_tp_group, from_owners, to_owners
 from minispec.runner.model_runner import ModelRunner
 from minispec.sample.random import RequestRandom, uniforms
 from minispec.sample.sampler import BatchSampling, probs_from_logits, sample_inverse_cdf
@@ -70,7 +70,7 @@ class DraftModelProposer:
         queries = [r.token_ids[r.num_draft_computed :] for r in reqs]
         for j in range(num_steps):
             logits = self.runner.forward([r.slot for r in reqs], starts, queries, [1] * len(reqs), gather=not sharded)
-            logits = rows_to_owners(tp, logits, owners)[:, :vocab] if sharded else logits  # [num_mine, V]
+            logits = to_owners(tp, logits, owners)[:, :vocab] if sharded else logits  # [num_mine, V]
             cache.write(rows, j, logits)
             if sampling.greedy:
                 tok = logits.argmax(dim=-1)
@@ -78,7 +78,7 @@ class DraftModelProposer:
                 probs = probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
                 tok = sample_inverse_cdf(probs, u_mine[:, j])
             if sharded:
-                tok = rows_from_owners(tp, tok, owners)
+                tok = from_owners(tp, tok, owners)
             drafts[:, j] = tok.cpu().numpy()
             starts = [s + len(q) for s, q in zip(starts, queries)]
             queries = [[int(t)] for t in drafts[:, j]]
