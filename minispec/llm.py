@@ -167,7 +167,7 @@ class LLM:
         if adaptive_k and proposer is not None:
             # Draft and verify costs measured on these models at each batch-size bucket, now (before serving).
             costs = MeasuredCosts(self.target.model, "ngram" if self.draft is None else self.draft.model, k,
-                                  max_num_seqs, self.target.vocab_size, torch_dtype, self.device)
+                                  max_num_seqs, self.target.vocab_size, torch_dtype, self.device, repeats=1)
             # Seeded requests choose their own k on the roofline instead (reproducible): a draft step costs
             # the draft's parameter bytes over the target's, verification is free.
             c = 0.0 if self.draft is None else param_bytes(self.draft.model) / param_bytes(self.target.model)

@@ -68,7 +68,8 @@ class CostBench:
 
     @torch.inference_mode()
     def measure(self, batch_size: int, repeats: int) -> dict:
-        """Step times at batch_size (fastest of `repeats` samples) and the cost ratios of the speedup model:
+        """Step times at batch_size (fastest of 1 + `repeats` samples: the warm-up call is one) and the cost ratios
+        of the speedup model:
           target_step_ms       a 1-token target forward of batch_size requests
           verify_ms/_ratio     {k: (k + 1)-token target forward, in ms / over target_step_ms} for k in 1..k_max
           verify_ratio_fit     {k: the ratios' least-squares line a + b k (b >= 0, values >= 1)}
@@ -87,9 +88,10 @@ class CostBench:
             else:
                 timers[f"draft:{name}"] = lambda draft=draft: draft.step(b, 1)
                 per_token[name] = 1
-        # Warm up, and batch calls that take under MIN_SAMPLE_S (tiny models) so timer noise stays small.
-        calls = {name: max(1, min(100, int(MIN_SAMPLE_S / max(_time(fn), 1e-6)))) for name, fn in timers.items()}
-        times: dict[str, list[float]] = {name: [] for name in timers}
+        # Warm up (a first sample), and batch calls that take under MIN_SAMPLE_S (tiny models) so timer noise
+        # stays small.
+        times: dict[str, list[float]] = {name: [_time(fn)] for name, fn in timers.items()}
+        calls = {name: max(1, min(100, int(MIN_SAMPLE_S / max(t[0], 1e-6)))) for name, t in times.items()}
         order = np.random.default_rng(self.seed)
         names = list(timers)
         for _ in range(repeats):
@@ -153,7 +155,8 @@ class MeasuredCosts:
 
     draft: the native draft model, or "ngram". Under tensor parallelism every rank measures (the forwards
     are collective) and all use rank 0's numbers, so their choices agree. Runners of its own keep the
-    engine's KV cache untouched. measure_s: the seconds measuring took.
+    engine's KV cache untouched. measure_s: the seconds measuring took (repeats: samples per timer beyond the
+    warm-up call; LLM uses 1).
     """
 
     def __init__(self, target_model, draft, k_max: int, max_batch_size: int, vocab_size: int, dtype, device,
