@@ -160,21 +160,18 @@ class Row:
         return f"{self.system} {self.method} {draft_label(self.draft)} b={self.batch_size} T={self.temperature:g}"
 
 
-def minispec_runner(llm, cfg: BenchConfig, temperature: float, k_policy=None):
-    """A row's run function for a minispec LLM: each batch submitted together, seeded per prompt; k_policy
-    (e.g. AdaptiveK) is the engine's while the row runs."""
+def minispec_runner(llm, cfg: BenchConfig, temperature: float):
+    """A row's run function for a minispec LLM: each batch submitted together, seeded per prompt."""
     from minispec.sampling_params import SamplingParams
 
     def run(batches, max_tokens):
         tokens, outputs = 0, []
-        llm.engine.k_policy = k_policy
         for batch in batches:
             params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
                                      seed=cfg.seed + i) for i, _ in batch]
             outs = llm.generate([p for _, p in batch], params)
             tokens += sum(len(o.token_ids) for o in outs)
             outputs += outs
-        llm.engine.k_policy = None
         return tokens, outputs
 
     return run
@@ -206,8 +203,9 @@ def hf_runner(model, pad_id: int, cfg: BenchConfig, temperature: float, **extra)
 
 
 def build_rows(cfg: BenchConfig, hf_target, hf_drafts: dict, llms: dict, pad_id: int,
-               policies: dict | None = None) -> list[Row]:
-    """Every row in table order: transformers first, then minispec; batch size, then temperature."""
+               adaptive_llms: dict | None = None) -> list[Row]:
+    """Every row in table order: transformers first, then minispec; batch size, then temperature.
+    adaptive_llms: draft -> an LLM built with an adaptive k policy (the adaptive-k rows)."""
     rows = []
     for b in cfg.batch_sizes:
         for t in cfg.temperatures:
@@ -225,8 +223,8 @@ def build_rows(cfg: BenchConfig, hf_target, hf_drafts: dict, llms: dict, pad_id:
             rows.append(Row("minispec", "target-only", None, b, t, minispec_runner(llms[None], cfg, t)))
             for d in cfg.drafts:
                 rows.append(Row("minispec", "speculative", d, b, t, minispec_runner(llms[d], cfg, t)))
-            for d, policy in (policies or {}).items():
-                rows.append(Row("minispec", "adaptive-k", d, b, t, minispec_runner(llms[d], cfg, t, policy)))
+            for d, llm in (adaptive_llms or {}).items():
+                rows.append(Row("minispec", "adaptive-k", d, b, t, minispec_runner(llm, cfg, t)))
     return rows
 
 
@@ -301,18 +299,18 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     load_s = time.perf_counter() - t_load
 
-    policies = {}
-    if cfg.adaptive:  # one AdaptiveK per draft, its costs measured on that LLM's models per batch bucket
+    adaptive_llms = {}
+    if cfg.adaptive:  # per draft, an LLM on the same loaded models whose AdaptiveK has costs measured on them
         from minispec.spec_decode.adaptive import AdaptiveK
         from minispec.spec_decode.costs import MeasuredCosts
 
         for d in cfg.drafts:
-            costs = MeasuredCosts(llms[d].target.model, NGRAM if d == NGRAM else llms[d].draft.model, cfg.k, max_b,
+            draft = NGRAM if d == NGRAM else llms[d].draft
+            costs = MeasuredCosts(llms[d].target.model, NGRAM if d == NGRAM else draft.model, cfg.k, max_b,
                                   llms[d].target.vocab_size, dtype, device)
-            for b in sorted({costs.bucket(n) for n in range(1, max_b + 1)}):  # measured now, not inside a timed row
-                costs(b)
-            policies[d] = AdaptiveK(cfg.k, cost_model=costs)
-    rows = build_rows(cfg, hf_target, hf_drafts, llms, pad_id, policies)
+            policy = AdaptiveK(cfg.k, cost_model=costs)
+            adaptive_llms[d] = LLM(llms[d].target, draft, ngram_n=NGRAM_N, k_policy=policy, **common)
+    rows = build_rows(cfg, hf_target, hf_drafts, llms, pad_id, adaptive_llms)
     runnable = [r for r in rows if r.run is not None]
     batches = {b: batches_of(prompts, b) for b in cfg.batch_sizes}
     bar = tqdm(total=len(runnable) * (cfg.rounds + 1), desc="bench", unit="run", disable=not progress,
@@ -394,14 +392,14 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
             meas = ts / ms_base[key] if ts and ms_base.get(key) else None
             d.update(acceptance_rate=m["acceptance_rate"], mean_accepted_length=m["mean_accepted_length"],
                      alpha=alpha, draft_cost_ratio=c, verify_ratio=v, measured_speedup=meas, predicted_speedup=pred,
-                     engine_efficiency=meas / pred if meas else None, num_drafts=m["num_drafts"],
-                     num_draft_tokens=m["num_draft_tokens"], num_accepted_tokens=m["num_accepted_tokens"],
+                     engine_efficiency=meas / pred if meas else None,
+                     num_spec_verifications=m["num_spec_verifications"], num_draft_tokens=m["num_draft_tokens"], num_accepted_tokens=m["num_accepted_tokens"],
                      accepted_per_position=m["accepted_per_position"])
         elif r.system == "minispec" and r.method == "adaptive-k" and r.outputs:
             m = aggregate(r.outputs)
             d.update(acceptance_rate=m["acceptance_rate"], mean_accepted_length=m["mean_accepted_length"],
                      measured_speedup=ts / ms_base[key] if ts and ms_base.get(key) else None,
-                     num_drafts=m["num_drafts"], num_draft_tokens=m["num_draft_tokens"],
+                     num_spec_verifications=m["num_spec_verifications"], num_draft_tokens=m["num_draft_tokens"],
                      num_accepted_tokens=m["num_accepted_tokens"])
         out_rows.append(d)
     if llama is not None:

@@ -76,7 +76,7 @@ class TPGroup:
     def all_to_all(
         self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     ) -> torch.Tensor:
-        """Send rows x[sum(send_counts[:r]) : ...] to rank r; return the rows received, by source rank."""
+        """Send x[sum(send_counts[:r]) : ...] to rank r; return what was received, by source rank."""
         if self.world_size == 1:
             return x
         out = x.new_empty((sum(recv_counts), *x.shape[1:]))
@@ -155,53 +155,53 @@ def get_tp_group() -> TPGroup:
     return _TP_GROUP
 
 
-def rows_to_owners(tp: TPGroup, x_shard: torch.Tensor, row_owner: np.ndarray) -> torch.Tensor:
-    """Batch-sharded routing: every rank holds a column shard of every row; each row's owner gets it whole.
+def to_owners(tp: TPGroup, x_shard: torch.Tensor, owner: np.ndarray) -> torch.Tensor:
+    """Batch-sharded routing: every rank holds a column shard of every item x[i]; each item's owner gets it whole.
 
-    x_shard: [num_rows, W] this rank's columns (e.g. a vocab shard of logits); row_owner: [num_rows].
-    Returns [num_my_rows, tp * W]: the rows this rank owns, in row order, columns in rank order. One
+    x_shard: [n, W] this rank's columns (e.g. a vocab shard of logits); owner: [n] each item's owner rank.
+    Returns [num_mine, tp * W]: the items this rank owns, in item order, columns in rank order. One
     all-to-all.
     """
     if tp.world_size == 1:
         return x_shard
-    order = np.argsort(row_owner, kind="stable")
-    counts = np.bincount(row_owner, minlength=tp.world_size).tolist()
+    order = np.argsort(owner, kind="stable")
+    counts = np.bincount(owner, minlength=tp.world_size).tolist()
     mine = counts[tp.rank_in_group]
-    send = x_shard[torch.from_numpy(order).to(x_shard.device)]  # [num_rows, W] grouped by owner
+    send = x_shard[torch.from_numpy(order).to(x_shard.device)]  # [n, W] grouped by owner
     recv = tp.all_to_all(send, counts, [mine] * tp.world_size)  # [tp * mine, W] grouped by source rank
     width = x_shard.shape[1]
     return recv.view(tp.world_size, mine, width).permute(1, 0, 2).reshape(mine, tp.world_size * width)
 
 
-def rows_from_owners(tp: TPGroup, x_mine: torch.Tensor, row_owner: np.ndarray) -> torch.Tensor:
-    """The inverse share: each owner holds its rows [num_my_rows, C]; every rank gets all [num_rows, C].
+def from_owners(tp: TPGroup, x_mine: torch.Tensor, owner: np.ndarray) -> torch.Tensor:
+    """The inverse share: each owner holds its items [num_mine, C]; every rank gets all n of them [n, C].
 
-    One all-gather (rows padded to the largest owner's count).
+    One all-gather (each rank's items padded to the largest owner's count).
     """
     if tp.world_size == 1:
         return x_mine
-    counts = np.bincount(row_owner, minlength=tp.world_size)
+    counts = np.bincount(owner, minlength=tp.world_size)
     pad = x_mine.new_zeros((int(counts.max()), *x_mine.shape[1:]))
     pad[: x_mine.shape[0]] = x_mine
     gathered = tp.all_gather(pad.unsqueeze(0), dim=0)  # [tp, max_count, C]
-    out = x_mine.new_empty((len(row_owner), *x_mine.shape[1:]))
+    out = x_mine.new_empty((len(owner), *x_mine.shape[1:]))
     for r in range(tp.world_size):
-        idx = torch.from_numpy(np.flatnonzero(row_owner == r)).to(out.device)
+        idx = torch.from_numpy(np.flatnonzero(owner == r)).to(out.device)
         out[idx] = gathered[r, : int(counts[r])]
     return out
 
 
-def share_from_owners(tp: TPGroup, parts: list[torch.Tensor], row_owner: np.ndarray) -> list[torch.Tensor]:
-    """rows_from_owners for several integer or bool tensors at once ([num_my_rows, ...] each): packed side by
-    side as int64 for one all-gather, unpacked after. Returns each part for all rows, on the host."""
+def share_from_owners(tp: TPGroup, parts: list[torch.Tensor], owner: np.ndarray) -> list[torch.Tensor]:
+    """from_owners for several integer or bool tensors at once ([num_mine, ...] each): packed side by side
+    as int64 for one all-gather, unpacked after. Returns each part for all n items, on the host."""
     if tp.world_size == 1:
         return [p.cpu() for p in parts]
     cols = [p.reshape(p.shape[0], math.prod(p.shape[1:])).to(torch.int64) for p in parts]
-    packed = torch.cat(cols, dim=1).to(tp.device)  # [num_my_rows, sum of widths]
-    shared = rows_from_owners(tp, packed, row_owner).cpu()  # [num_rows, sum of widths]
+    packed = torch.cat(cols, dim=1).to(tp.device)  # [num_mine, sum of widths]
+    shared = from_owners(tp, packed, owner).cpu()  # [n, sum of widths]
     out, start = [], 0
     for p, c in zip(parts, cols):
-        out.append(shared[:, start : start + c.shape[1]].reshape(len(row_owner), *p.shape[1:]).to(p.dtype))
+        out.append(shared[:, start : start + c.shape[1]].reshape(len(owner), *p.shape[1:]).to(p.dtype))
         start += c.shape[1]
     return out
 

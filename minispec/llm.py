@@ -10,10 +10,11 @@ import torch
 
 from minispec.distributed import init_distributed
 from minispec.engine.engine import Engine, EngineConfig
-from minispec.engine.model_runner import ModelRunner
+from minispec.engine.observer import Observer
 from minispec.engine.request import Request
 from minispec.layers.quant import PackedWeight
 from minispec.models.loader import LoadedModel, load_model
+from minispec.runner.model_runner import ModelRunner
 from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.adaptive import AdaptiveK
 from minispec.spec_decode.costs import MeasuredCosts
@@ -90,7 +91,12 @@ class LLM:
     adaptive_k: each step chooses one speculation length for the batch's unseeded requests from their running
     acceptance and turns speculation off when it does not pay (spec_decode/adaptive.py); a seeded request
     chooses its own from its own state alone, so that its tokens stay reproducible (SamplingParams.seed).
-    None (default): on with the "auto" draft, off (fixed k, as sweeps need) with a named one.
+    None (default): on with the "auto" draft, off (fixed k, as sweeps need) with a named one. Adaptive k
+    measures the draft and verify costs at every power-of-two batch size up to max_num_seqs here, before
+    serving (spec_decode/costs.py).
+    k_policy: a speculation-length policy of your own (Engine.k_policy: reqs -> each one's k), instead of
+    adaptive_k; e.g. an AdaptiveK with costs a tool measured.
+    observer: instrumentation hooks (engine/observer.py: per-step k, timings, beta), e.g. for sweeps.
     packed (GGUF models; None = True): keep the file's 4/8-bit weights packed and compute exactly on them in
     float32 (the float32 model the file describes, at the file's size); False dequantises them to dtype.
     """
@@ -112,10 +118,14 @@ class LLM:
         adaptive_k: bool | None = None,
         draft_dtype: str | torch.dtype | None = None,
         packed: bool | None = None,
+        k_policy=None,
+        observer: Observer | None = None,
     ):
+        if k_policy is not None and adaptive_k:
+            raise ValueError("give adaptive_k=True or a k_policy, not both")
         if draft == "auto":
             draft = DRAFT_FOR_TARGET.get(target.lower()) if isinstance(target, str) else None
-            adaptive_k = True if adaptive_k is None else adaptive_k
+            adaptive_k = k_policy is None if adaptive_k is None else adaptive_k
         adaptive_k = bool(adaptive_k)
         if draft is not None and not 1 <= num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be in [1, 32], got {num_speculative_tokens}")
@@ -154,11 +164,10 @@ class LLM:
             draft_runner = ModelRunner(self.draft.model, max_num_seqs, kv_len, dtype=draft_torch_dtype,
                                        device=self.device)
             proposer = DraftModelProposer(draft_runner, k)
-        k_policy = None
         if adaptive_k and proposer is not None:
-            # Draft and verify costs measured on these models at each batch size the engine runs.
+            # Draft and verify costs measured on these models at each batch-size bucket, now (before serving).
             costs = MeasuredCosts(self.target.model, "ngram" if self.draft is None else self.draft.model, k,
-                                  max_num_seqs, self.target.vocab_size, torch_dtype, self.device)
+                                  max_num_seqs, self.target.vocab_size, torch_dtype, self.device, repeats=1)
             # Seeded requests choose their own k on the roofline instead (reproducible): a draft step costs
             # the draft's parameter bytes over the target's, verification is free.
             c = 0.0 if self.draft is None else param_bytes(self.draft.model) / param_bytes(self.target.model)
@@ -166,7 +175,7 @@ class LLM:
                 c = float(tp.broadcast(torch.tensor([c], dtype=torch.float64, device=self.device)).item())
             k_policy = AdaptiveK(k, cost_model=costs, seeded_costs=(c, None))
         self.engine = Engine(target_runner, proposer, config, self.target.eos_token_ids, self.target.vocab_size,
-                             k_policy=k_policy)
+                             k_policy=k_policy if proposer is not None else None, observer=observer)
         if seed is None:
             seed = secrets.randbits(62)
             if tp.world_size > 1:  # every rank must give unseeded requests the same seed

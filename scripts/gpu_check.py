@@ -117,7 +117,7 @@ def kernel_launches() -> list[tuple]:
         draft_logits.get_tp_group = lambda: TPGroup(2, 1)
         cache = draft_logits.DraftLogitsCache(8, 3, 5, dtype=torch.float32, fill=0.0, device="cpu", sharded=True)
         batch = InputBatch.build(["a", "b", "c"], np.array([4, 0, 6], dtype=np.int32), np.array([4, 1, 4]), "cpu")
-        cache.assign(batch.idx_mapping, batch.idx_mapping_np)
+        cache.assign(batch.slots, batch.slots_np)
         cache.stale_drafts(batch)
         g = torch.Generator().manual_seed(0)
         logits = torch.randn(6, 50, generator=g)  # [num_logits, V]

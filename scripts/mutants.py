@@ -49,8 +49,8 @@ MUTANTS = [
            "    final_ok = ok.gather(1, num_accepted.unsqueeze(1))",
            "    final_ok = (ok | is_draft).gather(1, num_accepted.unsqueeze(1))", tuple(EXACT)),
     Mutant("ref: bonus token drawn from q", SAMPLER,
-           "    pf = p[final_row]  # [num_reqs, V]",
-           "    pf = torch.where((num_accepted == num_rows - 1).unsqueeze(1), q[final_row], p[final_row])",
+           "    pf = p[final_pos]  # [num_reqs, V]",
+           "    pf = torch.where((num_accepted == num_pos - 1).unsqueeze(1), q[final_pos], p[final_pos])",
            tuple(EXACT)),
     Mutant("ref: accept when u * q <= 1.05 * p", SAMPLER,
            "    accepted = ok & (u * qd < pd)", "    accepted = ok & (u * qd <= 1.05 * pd)", tuple(EXACT)),
@@ -61,8 +61,8 @@ MUTANTS = [
            "final_ok = tl.where(live & ~acc, ok.to(tl.int32), final_ok)",
            "final_ok = tl.where(live & ~acc, 1, final_ok)", tuple(TRITON)),
     Mutant("triton: bonus token drawn from q", SAMPLER,
-           "        qv = tl.load(q_ptr + row * V + cols, mask=m, other=0.0)\n",
-           "        qv = tl.load(q_ptr + row * V + cols, mask=m, other=0.0)\n"
+           "        qv = tl.load(q_ptr + final_pos * V + cols, mask=m, other=0.0)\n",
+           "        qv = tl.load(q_ptr + final_pos * V + cols, mask=m, other=0.0)\n"
            "        pv = tl.where(num_accepted == num_drafts, qv, pv)\n", tuple(TRITON)),
     Mutant("triton: accept when u * q <= 1.05 * p", SAMPLER,
            "acc = ok & (u * qd < pd)", "acc = ok & (u * qd <= 1.05 * pd)", tuple(TRITON)),

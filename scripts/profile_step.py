@@ -28,7 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from minispec import LLM, SamplingParams
-from minispec.engine.model_runner import ModelRunner
+from minispec.runner.model_runner import ModelRunner
 
 GEMM_OPS = re.compile(r"linear|addmm|^aten::mm$|matmul|gemv|gemm|int4|int8|quant|packed")
 

@@ -111,7 +111,7 @@ def test_end_to_end_checkpoint_loads_everywhere(first_run, tiny_target):
     spec_llm = LLM(target=tiny_target, draft=str(out), num_speculative_tokens=3, seed=0)
     spec = spec_llm.generate(prompts, sp, use_chat_template=True)
     assert [o.token_ids for o in spec] == [o.token_ids for o in alone]
-    assert all(o.metrics["num_drafts"] > 0 for o in spec)
+    assert all(o.metrics["num_spec_verifications"] > 0 for o in spec)
 
     # The run's final engine eval (its LLM built at step 2, draft weights reloaded in place at step 4)
     # measured what a fresh LLM on the exported checkpoint measures.
@@ -121,7 +121,7 @@ def test_end_to_end_checkpoint_loads_everywhere(first_run, tiny_target):
     outs = spec_llm.generate(load_prompts("eval", limit=2), SamplingParams(temperature=0.0, max_tokens=8),
                              use_chat_template=True)
     m = aggregate(outs)
-    assert final["first_position_rate_engine"] == m["accepted_per_position"][0] / m["num_drafts"]
+    assert final["first_position_rate_engine"] == m["accepted_per_position"][0] / m["num_spec_verifications"]
     assert final["mean_accepted_length_engine"] == m["mean_accepted_length"]
 
 
@@ -309,4 +309,4 @@ def test_narrow_bf16_draft_end_to_end(tiny_target, tmp_path):
     alone = LLM(target=tiny_target).generate(["Write a haiku about the sea."], sp)
     spec = LLM(target=tiny_target, draft=str(tmp_path), num_speculative_tokens=3).generate(
         ["Write a haiku about the sea."], sp)
-    assert spec[0].token_ids == alone[0].token_ids and spec[0].metrics["num_drafts"] > 0
+    assert spec[0].token_ids == alone[0].token_ids and spec[0].metrics["num_spec_verifications"] > 0

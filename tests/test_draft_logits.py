@@ -110,9 +110,9 @@ def test_kernels_match_torch(fake_tp, tp, device):
             with triton_path(True):
                 got = tri.stale_drafts(tri_batch).cpu()
             assert got.dtype == torch.bool and torch.equal(got, want), (got, want)
-            ref.assign(batch.idx_mapping, batch.idx_mapping_np)
+            ref.assign(batch.slots, batch.slots_np)
             with triton_path(True):
-                tri.assign(tri_batch.idx_mapping, tri_batch.idx_mapping_np)
+                tri.assign(tri_batch.slots, tri_batch.slots_np)
             for name in ("row_mapping", "inverse_row_mapping", "shard_mapping"):
                 assert torch.equal(getattr(ref, name), getattr(tri, name).cpu()), name
             assert np.array_equal(ref.shard_mapping_np, tri.shard_mapping_np)
@@ -139,7 +139,7 @@ def test_draft_logits_row(fake_tp, sharded, device):
     fake_tp(2, 1)
     cache = make_cache(max_num_reqs=6, sharded=sharded, device=device)
     batch = build([4, 0, 5, 2], [1, 1, 1, 1], device)
-    cache.assign(batch.idx_mapping, batch.idx_mapping_np)
+    cache.assign(batch.slots, batch.slots_np)
     slots = torch.tensor([0, 1, 2, 3, 4, 5], dtype=torch.int32, device=device)
     out = torch.empty(6, dtype=torch.int64, device=device)
     _rows_test_kernel[(1,)](out, slots, cache.row_mapping, 6, BLOCK=8)
@@ -163,26 +163,26 @@ def test_skip_scenario_tp1(fake_tp, use_triton):
     replicated = make_cache(max_num_reqs=8, num_steps=num_steps, sharded=False)
     with triton_path(use_triton):
         step1 = build([A, B], [1, 1])  # prefill: nothing to verify
-        sharded.assign(step1.idx_mapping, step1.idx_mapping_np)  # A row 0, B row 1
+        sharded.assign(step1.slots, step1.slots_np)  # A row 0, B row 1
         assert sharded.rows_of(torch.tensor([A, B])).tolist() == [0, 1]
 
         step2 = build([B], [num_steps + 1])  # A skipped; B at position 0 takes A's row 0
         assert sharded.stale_drafts(step2).tolist() == [False] * (num_steps + 1)
-        sharded.assign(step2.idx_mapping, step2.idx_mapping_np)
+        sharded.assign(step2.slots, step2.slots_np)
         assert sharded.rows_of(torch.tensor([A, B])).tolist() == [0, 0]
 
         step3 = build([A, B], [num_steps + 1, num_steps + 1])
         stale = sharded.stale_drafts(step3)
         # A's drafts (step 1) were overwritten by B's; the bonus row (local pos num_steps) reads none.
         assert stale.tolist() == [True, True, False, False, False, False]
-        owners, table = sharded.owners_of(step3.idx_mapping_np)
+        owners, table = sharded.owners_of(step3.slots_np)
         assert owners.tolist() == [0, 0] and table is sharded.shard_mapping
 
     # Replicated: rows are slots, never reused, never stale; assign is a no-op.
-    replicated.assign(step1.idx_mapping, step1.idx_mapping_np)
+    replicated.assign(step1.slots, step1.slots_np)
     assert replicated.row_mapping is None and replicated.stale_drafts(step3) is None
     assert replicated.rows_of(torch.tensor([A, B])).tolist() == [A, B]
-    owners, table = replicated.owners_of(step3.idx_mapping_np)
+    owners, table = replicated.owners_of(step3.slots_np)
     assert owners.tolist() == [0, 0] and table is None
     assert replicated.values.shape == (8, num_steps, 3)
 
@@ -202,7 +202,7 @@ def test_empty_batch(fake_tp, device):
         cache = make_cache(device=device)
         batch = build([], [], device)
         with triton_path(on):
-            cache.assign(batch.idx_mapping, batch.idx_mapping_np)
+            cache.assign(batch.slots, batch.slots_np)
             stale = cache.stale_drafts(batch)
         assert stale.shape == (0,) and stale.dtype == torch.bool
         assert cache.inverse_row_mapping.tolist() == [-1] * 4

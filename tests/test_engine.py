@@ -45,9 +45,10 @@ def test_speculative_greedy_equals_transformers(target_dir, draft_dir, hf_greedy
         assert o.token_ids == hf_greedy(p, 24)
         m = o.metrics
         assert len(m["accepted_per_position"]) == k
-        assert m["num_accepted_tokens"] <= m["num_draft_tokens"] == m["num_drafts"] * k
-        assert m["num_accepted_tokens"] <= m["num_emitted_tokens"] <= m["num_accepted_tokens"] + m["num_drafts"]
-        assert m["mean_accepted_length"] == pytest.approx(m["num_emitted_tokens"] / m["num_drafts"])
+        assert m["num_accepted_tokens"] <= m["num_draft_tokens"] == m["num_spec_verifications"] * k
+        n = m["num_spec_verifications"]
+        assert m["num_accepted_tokens"] <= m["num_emitted_tokens"] <= m["num_accepted_tokens"] + n
+        assert m["mean_accepted_length"] == pytest.approx(m["num_emitted_tokens"] / m["num_spec_verifications"])
 
 
 def test_target_as_own_draft_accepts_everything(target_dir, hf_greedy):
@@ -70,7 +71,8 @@ def test_metrics_count_what_was_emitted(target_dir, hf_greedy):
         out = llm.generate([prompt], params)[0]
         assert out.token_ids == free
         m = out.metrics
-        assert (m["num_drafts"], m["num_draft_tokens"], m["num_accepted_tokens"], m["num_emitted_tokens"]) == (1, 4, 2, 2)
+        counts = (m["num_spec_verifications"], m["num_draft_tokens"], m["num_accepted_tokens"], m["num_emitted_tokens"])
+        assert counts == (1, 4, 2, 2)
         assert m["accepted_per_position"] == [1, 1, 0, 0]
         assert m["mean_accepted_length"] == 2.0 and m["acceptance_rate"] == 0.5
 
@@ -180,7 +182,7 @@ def test_seeded_requests_reproducible_under_adaptive_k(target_dir, draft_dir):
     alone = llm.generate([PROMPTS[0]], seeded)[0]
     batch = llm.generate(PROMPTS, [seeded, unseeded, unseeded, unseeded])
     assert batch[0].token_ids == alone.token_ids
-    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):  # the same k at every step
+    for key in ("num_spec_verifications", "num_draft_tokens", "num_accepted_tokens"):  # the same k at every step
         assert batch[0].metrics[key] == alone.metrics[key]
     assert build().generate([PROMPTS[0]], seeded)[0].token_ids == alone.token_ids
     assert build().generate(PROMPTS[::-1], [unseeded] * 3 + [seeded])[3].token_ids == alone.token_ids
@@ -270,3 +272,34 @@ def test_adaptive_k_turns_a_useless_draft_off(target_dir, draft_dir, hf_greedy):
     drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
     drafted_fixed = sum(o.metrics["num_draft_tokens"] for o in fixed.generate(PROMPTS, sp))
     assert drafted < drafted_fixed
+
+
+def test_observer_sees_each_steps_ks_and_every_beta(target_dir, draft_dir):
+    """LLM(observer=...): on_step gets the k given at every draft opportunity, on_verify (record_beta) one beta
+    per verified draft; neither changes the tokens."""
+    from minispec.engine.observer import Observer
+
+    class Recorder(Observer):
+        record_beta = True
+
+        def __init__(self):
+            self.steps, self.betas = [], []
+
+        def on_step(self, step):
+            self.steps.append(step)
+
+        def on_verify(self, reqs, betas):
+            assert len(reqs) == len(betas)
+            self.betas += [b for bs in betas for b in bs]
+
+    sp = SamplingParams(temperature=0.8, max_tokens=12, seed=3, ignore_eos=True)
+    rec = Recorder()
+    outs = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=3, max_num_seqs=4, observer=rec
+               ).generate(PROMPTS, sp)
+    plain = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=3, max_num_seqs=4).generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(k == 3 for s in rec.steps for k in s.ks)
+    assert sum(len(s.ks) for s in rec.steps) == sum(o.metrics["num_spec_verifications"] for o in outs)
+    assert len(rec.betas) == sum(o.metrics["num_draft_tokens"] for o in outs)
+    assert all(0.0 <= b <= 1.0 + 1e-5 for b in rec.betas)
+    assert all(s.step_s >= s.forward_s > 0 for s in rec.steps)

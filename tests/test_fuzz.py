@@ -313,15 +313,15 @@ def check_request(req, delta: list[int], k: int, engine_k: int) -> None:
     m = req.metrics
     assert len(m.accepted_per_position) == engine_k
     assert 0 <= m.num_accepted_tokens <= m.num_draft_tokens - m.num_stale_drafts
-    assert m.num_draft_tokens <= m.num_drafts * k
+    assert m.num_draft_tokens <= m.num_spec_verifications * k
     assert sum(m.accepted_per_position) == m.num_accepted_tokens
     assert all(a >= b for a, b in zip(m.accepted_per_position, m.accepted_per_position[1:]))
     if k == 0:
-        assert m.num_drafts == m.num_draft_tokens == 0
-    assert m.num_accepted_tokens <= m.num_emitted_tokens <= m.num_accepted_tokens + m.num_drafts
+        assert m.num_spec_verifications == m.num_draft_tokens == 0
+    assert m.num_accepted_tokens <= m.num_emitted_tokens <= m.num_accepted_tokens + m.num_spec_verifications
     d = m.as_dict(len(out))
-    if m.num_drafts:
-        assert d["mean_accepted_length"] == pytest.approx(m.num_emitted_tokens / m.num_drafts)
+    if m.num_spec_verifications:
+        assert d["mean_accepted_length"] == pytest.approx(m.num_emitted_tokens / m.num_spec_verifications)
         assert d["acceptance_rate"] == pytest.approx(m.num_accepted_tokens / m.num_draft_tokens)
     else:
         assert d["mean_accepted_length"] == 1.0

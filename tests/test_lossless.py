@@ -179,9 +179,9 @@ def test_speculative_sampling_matches_target_law(engines, hf_models, name, setti
     # Acceptance in the first verification. A request that accepts d1 there has all 3 tokens and
     # finishes after one verification; one that rejects d1 needs a second.
     a1, a12 = exact.acceptance()
-    first = [o for o in outs if o.metrics["num_drafts"] == 1]
+    first = [o for o in outs if o.metrics["num_spec_verifications"] == 1]
     accepted_two = sum(o.metrics["accepted_per_position"][1] for o in first) if k > 1 else 0
-    assert all(o.metrics["num_drafts"] in (1, 2) and o.metrics["num_stale_drafts"] == 0 for o in outs)
+    assert all(o.metrics["num_spec_verifications"] in (1, 2) and o.metrics["num_stale_drafts"] == 0 for o in outs)
     for what, got, prob in (("d1", len(first), a1), ("d1,d2", accepted_two, a12))[:k]:
         z, p = binomial_test(got, N, prob)
         print(f"\n[lossless] draft k={k} {name} P({what} accepted): exact={prob:.4f} "

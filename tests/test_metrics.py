@@ -18,7 +18,7 @@ def simulate(alpha: float, k: int, num_requests: int, steps: int, seed: int = 0)
     for _ in range(num_requests):
         accepted = np.argmin(np.concatenate([rng.random((steps, k)) < alpha, np.zeros((steps, 1), bool)], axis=1),
                              axis=1)  # [steps] drafts accepted before the first rejection (k if none)
-        metrics = {"num_drafts": steps, "num_draft_tokens": steps * k, "num_accepted_tokens": int(accepted.sum()),
+        metrics = {"num_spec_verifications": steps, "num_draft_tokens": steps * k, "num_accepted_tokens": int(accepted.sum()),
                    "num_emitted_tokens": int((accepted + 1).sum()), "num_stale_drafts": 0, "accepted_per_position": [int((accepted > j).sum()) for j in range(k)]}
         num_tokens = 1 + int((accepted + 1).sum())  # the prefill's token, then accepted + 1 per step
         outs.append(SimpleNamespace(metrics=metrics, token_ids=[0] * num_tokens))
@@ -54,13 +54,13 @@ def test_acceptance_rate_as_alpha_is_biased():
 def test_alpha_and_prediction():
     k = 4
     # Two verifications: one accepted all 4, one accepted 1 then rejected -> 5 successes, 1 failure.
-    m = {"num_accepted_tokens": 5, "num_drafts": 2, "accepted_per_position": [2, 1, 1, 1], "num_requests": 1}
+    m = {"num_accepted_tokens": 5, "num_spec_verifications": 2, "accepted_per_position": [2, 1, 1, 1], "num_requests": 1}
     # 1 request: prefill token + (1 + 4) + (1 + 1) = 8 tokens.
     assert alpha_mle({**m, "num_tokens": 8}) == pytest.approx(5 / 6)
     # An n-gram miss (a verification without drafts) adds a rejection: 9 tokens, 3 verifications.
     assert alpha_mle({**m, "num_tokens": 9}) == pytest.approx(5 / 7)
     assert first_position_rate(m) == 1.0
-    none = {"num_accepted_tokens": 0, "num_drafts": 3, "accepted_per_position": [0] * k, "num_tokens": 4,
+    none = {"num_accepted_tokens": 0, "num_spec_verifications": 3, "accepted_per_position": [0] * k, "num_tokens": 4,
             "num_requests": 1}
     assert alpha_mle(none) == 0.0 and first_position_rate(none) == 0.0
     assert predicted_speedup(0.0, k, 0.1, 1.2) == pytest.approx(1 / (0.4 + 1.2))

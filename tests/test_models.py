@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from minispec.engine.kv_cache import KVCache
+from minispec.runner.kv_cache import KVCache
 from minispec.layers.attention import ForwardBatch
 from minispec.models.loader import load_model
 from tests.utils import make_tiny_gguf, make_tiny_model_dir, requires_smollm2, smollm2_gguf_path
@@ -88,7 +88,7 @@ def test_padded_batch_equals_each_alone(tiny):
 
 def test_runner_splits_a_long_query_out_of_short_ones(tiny):
     """A prefill among decodes runs as its own forward; the logits rows come back in request order."""
-    from minispec.engine.model_runner import ModelRunner, length_groups
+    from minispec.runner.model_runner import ModelRunner, length_groups
 
     assert length_groups([5] * 10 + [400]) == [list(range(10)), [10]]
     assert length_groups([3, 1, 2]) == [[1, 2, 0]] and length_groups([]) == []
@@ -104,7 +104,7 @@ def test_runner_splits_a_long_query_out_of_short_ones(tiny):
 def test_runner_reads_consecutive_slots_in_place_in_any_request_order(tiny):
     """Requests on slots 2, 0, 1 run as one forward in slot order (a consecutive range: the KV cache is read
     as a view); requests on slots 3, 0 take the copying path. Logits come back in request order either way."""
-    from minispec.engine.model_runner import ModelRunner
+    from minispec.runner.model_runner import ModelRunner
     from minispec.layers.attention import ForwardBatch
 
     assert ForwardBatch.build([1, 2, 3], [0] * 3, [[1]] * 3, 9, "cpu").first_slot == 1

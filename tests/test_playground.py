@@ -73,16 +73,16 @@ def test_sweep_numbers_are_consistent(sweep):
         rates = r["accept_rate_by_position"]
         assert len(rates) == r["k"]
         # tau counts emitted tokens: max_tokens may cut a request's last accepted run (at most 3 cuts).
-        nd = r["num_drafts"]
+        nd = r["num_spec_verifications"]
         assert r["tau"] == pytest.approx(r["num_emitted_tokens"] / nd if nd else 1.0, abs=1e-9)
         assert 1 + sum(rates) - (3 / nd if nd else 0) - 1e-9 <= r["tau"] <= 1 + sum(rates) + 1e-9
         assert all(a >= b for a, b in zip(rates, rates[1:]))  # accepting j + 1 means accepting j
-        assert 0 <= r["num_accepted_tokens"] <= r["num_draft_tokens"] <= r["num_drafts"] * r["k"]
+        assert 0 <= r["num_accepted_tokens"] <= r["num_draft_tokens"] <= r["num_spec_verifications"] * r["k"]
         drafted = r["num_draft_tokens"]
         assert r["acceptance_rate"] == pytest.approx(r["num_accepted_tokens"] / drafted if drafted else 0.0)
         if r["policy"] == "fixed":  # the i.i.d. MLE from the run's counters (fixed k only)
-            counts = {"num_accepted_tokens": r["num_accepted_tokens"], "num_drafts": r["num_drafts"],
-                      "accepted_per_position": [round(a * r["num_drafts"]) for a in rates],
+            counts = {"num_accepted_tokens": r["num_accepted_tokens"], "num_spec_verifications": r["num_spec_verifications"],
+                      "accepted_per_position": [round(a * r["num_spec_verifications"]) for a in rates],
                       "num_tokens": r["num_generated"], "num_requests": 3}
             assert r["alpha"] == pytest.approx(alpha_mle(counts))
         else:
@@ -106,7 +106,7 @@ def test_sweep_numbers_are_consistent(sweep):
             assert r["beta_min"] >= 1.0 - 1e-5
             if r["policy"] == "fixed":
                 assert r["alpha"] == 1.0
-                assert r["k"] + 1 - 3 * r["k"] / r["num_drafts"] <= r["tau"] <= r["k"] + 1  # k + 1 but cut runs
+                assert r["k"] + 1 - 3 * r["k"] / r["num_spec_verifications"] <= r["tau"] <= r["k"] + 1  # k + 1 but cut runs
         if r["draft"] == "ngram":
             assert r["c"] < 0.5  # a lookup costs a small fraction of a forward
 
@@ -138,12 +138,12 @@ def test_adaptive_choose_maximises_tokens_per_cost():
 
 
 def _fake_request(req_id):
-    metrics = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0)
+    metrics = SimpleNamespace(num_spec_verifications=0, num_draft_tokens=0, num_accepted_tokens=0)
     return SimpleNamespace(req_id=req_id, metrics=metrics, params=SimpleNamespace(seed=None))
 
 
 def _verify(req, drafted, accepted):
-    req.metrics.num_drafts += 1
+    req.metrics.num_spec_verifications += 1
     req.metrics.num_draft_tokens += drafted
     req.metrics.num_accepted_tokens += accepted
 
@@ -247,7 +247,7 @@ def test_adaptive_in_engine_is_lossless(target_dir, draft_dir):
     assert pol.counts.sum() > 0 and not pol.states  # each finished request's state was freed
     for o in outs:
         m = o.metrics
-        assert m["num_accepted_tokens"] <= m["num_draft_tokens"] <= 3 * m["num_drafts"]
+        assert m["num_accepted_tokens"] <= m["num_draft_tokens"] <= 3 * m["num_spec_verifications"]
 
 
 def test_measured_costs_drive_adaptive_k(target_dir):
@@ -271,6 +271,25 @@ def test_measured_costs_drive_adaptive_k(target_dir):
     assert pol.overhead(4) >= 1.0  # measured in the engine's own steps
     assert list(pol.costs(4)) == pytest.approx([1.0] + [(k * c + verify[k]) * pol.overhead(4) for k in (1, 2, 3)])
     assert pol.counts[0] > pol.counts[1:].sum()  # off but for the probes
+
+
+def test_costs_are_measured_before_serving(target_dir, draft_dir, monkeypatch):
+    """LLM(adaptive_k=True) measures every batch-size bucket when it is built; no step measures: with
+    CostBench.measure failing once the LLM exists, batches of every size up to max_num_seqs still run."""
+    from minispec.spec_decode import costs as costs_module
+
+    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=2, max_num_seqs=5, adaptive_k=True)
+    costs = llm.engine.k_policy.cost_model
+    assert set(costs.table) == {1, 2, 4, 5} and costs.measure_s > 0
+
+    def measure_in_a_step(*args, **kwargs):
+        raise AssertionError("a step measured costs")
+
+    monkeypatch.setattr(costs_module.CostBench, "measure", measure_in_a_step)
+    prompts = [[5, 17, 99, 3], [200, 1, 42], list(range(30, 40)), [7, 7, 7], [1, 2, 3, 4, 5]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for n in (1, 2, 3, 5):
+        assert all(len(o.token_ids) == 6 for o in llm.generate(prompts[:n], params))
 
 
 def test_config_and_overrides(tmp_path):

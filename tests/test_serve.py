@@ -109,7 +109,7 @@ def test_models_completion_and_chat(server):
     assert out.usage.completion_tokens == 7
     assert out.usage.prompt_tokens == len(srv.llm.encode("Hello there", False))
     spec = out.model_extra["spec_decode"]
-    assert spec["num_draft_tokens"] >= spec["num_accepted_tokens"] >= 0 and spec["num_drafts"] >= 1
+    assert spec["num_draft_tokens"] >= spec["num_accepted_tokens"] >= 0 and spec["num_spec_verifications"] >= 1
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     chat = c.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
                                      extra_body={"ignore_eos": True})

@@ -141,7 +141,8 @@ class EngineEval:
         m = aggregate(outputs)
         return {"first_position_rate_engine": m["first_position_rate"], "alpha_mle_engine": m["alpha"],
                 "mean_accepted_length_engine": m["mean_accepted_length"], "acceptance_rate_engine": m["acceptance_rate"],
-                "accepted_per_position_engine": [a / max(1, m["num_drafts"]) for a in m["accepted_per_position"]]}
+                "accepted_per_position_engine": [a / max(1, m["num_spec_verifications"])
+                                                 for a in m["accepted_per_position"]]}
 
 
 # ---- checkpoints -----------------------------------------------------------------------------

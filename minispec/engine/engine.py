@@ -8,10 +8,11 @@ import numpy as np
 import torch
 
 from minispec.distributed import get_tp_group
-from minispec.engine.model_runner import ModelRunner
+from minispec.engine.observer import Observer, StepRecord
 from minispec.engine.request import Request
 from minispec.engine.scheduler import Scheduler, ScheduledRequest
 from minispec.engine.verify import Verdict, Verifier
+from minispec.runner.model_runner import ModelRunner
 from minispec.sample.random import RequestRandom
 from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.draft_logits import DraftLogitsCache
@@ -27,7 +28,6 @@ class EngineConfig:
     max_model_len: int = 2048
     num_speculative_tokens: int = 4
     shard_draft_logits: bool | None = None  # None: sharded iff tp > 1
-    record_beta: bool = False  # keep sum_x min(p, q) of every verified draft in metrics.betas
 
 
 @dataclass(slots=True)
@@ -42,13 +42,14 @@ class Engine:
     """Continuous batching over one target (and optionally one proposer)."""
 
     def __init__(self, target: ModelRunner, proposer: Proposer | None, config: EngineConfig,
-                 eos_token_ids: set[int], vocab_size: int, k_policy=None):
+                 eos_token_ids: set[int], vocab_size: int, k_policy=None, observer: Observer | None = None):
         self.tp = get_tp_group()
         self.target = target
         # Optional speculation length: k_policy(reqs) -> each request's k in [0, proposer.k]; a policy with an
         # observe_step(batch_size, speculative, step_s, forward_s) method also gets every step's timing, one
         # with a free(req) method hears of every finished request.
         self.k_policy = k_policy
+        self.observer = observer if observer is not None else Observer()  # instrumentation (engine/observer.py)
         self.proposer = proposer
         self.config = config
         self.eos_token_ids = eos_token_ids
@@ -71,7 +72,7 @@ class Engine:
                 config.max_num_seqs, self.k, vocab_size, dtype=torch.float32, fill=0.0,
                 device=self.device, sharded=sharded,
             )
-        self.verify = Verifier(target, self.draft_logits, self.k, vocab_size, config)
+        self.verify = Verifier(target, self.draft_logits, self.k, vocab_size, self.observer)
         self._num_arrived = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -128,15 +129,15 @@ class Engine:
         speculative = any(s.req.num_drafts for s in verified)
         verdict = self.verify(scheduled)
         outputs = self._accept(verified, verdict) if verdict is not None else []
-        if self.proposer is not None:
-            to_draft = [s.req for s in verified if not s.req.finished]
-            if to_draft:
-                speculative |= self._draft(to_draft)
+        to_draft = [s.req for s in verified if not s.req.finished] if self.proposer is not None else []
+        ks = self._draft(to_draft) if to_draft else []
+        speculative |= any(ks)
+        times = [time.perf_counter() - t0, self._forward_s() - forward_s0]
         if hasattr(self.k_policy, "observe_step"):
-            times = [time.perf_counter() - t0, self._forward_s() - forward_s0]
             if self.tp.world_size > 1:  # every rank must choose the same k: rank 0's timings
                 times = self.tp.broadcast(torch.tensor(times, dtype=torch.float64, device=self.device)).tolist()
             self.k_policy.observe_step(len(verified), speculative, *times)
+        self.observer.on_step(StepRecord(len(verified), speculative, *times, ks))
         return outputs
 
     def _forward_s(self) -> float:
@@ -166,7 +167,7 @@ class Engine:
             r.drafts = None
             new, reason = self._append(r, tokens[i][:n])
             if nd:  # count what was emitted: a stop token or max_tokens may cut the accepted run
-                m.num_drafts += 1
+                m.num_spec_verifications += 1
                 m.num_draft_tokens += nd
                 m.num_accepted_tokens += min(num_accepted, len(new))
                 m.num_emitted_tokens += len(new)
@@ -195,17 +196,17 @@ class Engine:
                 return new, "length"
         return new, None
 
-    def _draft(self, reqs: list[Request]) -> bool:
-        """Give out draft-logits rows by batch position, then draft each request's k tokens; whether any drafted."""
-        ks = list(self.k_policy(reqs)) if self.k_policy is not None else [self.k] * len(reqs)
-        reqs = [r for r, k in zip(reqs, ks) if k > 0]
-        ks = [k for k in ks if k > 0]
+    def _draft(self, reqs: list[Request]) -> list[int]:
+        """Give out draft-logits rows by batch position, then draft each request's k tokens; returns each k."""
+        asked = list(self.k_policy(reqs)) if self.k_policy is not None else [self.k] * len(reqs)
+        reqs = [r for r, k in zip(reqs, asked) if k > 0]
+        ks = [k for k in asked if k > 0]
         if not reqs:
-            return False
+            return asked
         cache = self.draft_logits
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
         cache.assign(torch.from_numpy(slots).to(self.device), slots)
         drafts = self.proposer.propose(reqs, cache, max(ks))  # [num_reqs, max(ks)]
         for r, d, k in zip(reqs, drafts, ks):
             r.drafts = d[:k]
-        return True
+        return asked

@@ -1,4 +1,4 @@
-"""One step's batch as tensors: batch positions, slots and logits rows."""
+"""One step's batch as tensors: batch positions, slots and logits positions."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,16 +11,16 @@ import torch
 class InputBatch:
     """The requests scheduled this step, in batch-position order.
 
-    A request with n drafts to verify has n + 1 logits rows (its drafts and the bonus); a
+    A request with n drafts to verify has n + 1 logits positions (its drafts and the bonus); a
     request whose prefill chunk ends inside the prompt has none.
     """
 
     req_ids: list[str]
-    idx_mapping_np: np.ndarray  # [num_reqs] batch position -> slot (req_state_idx)
-    idx_mapping: torch.Tensor  # [num_reqs]
-    cu_num_logits_np: np.ndarray  # [num_reqs + 1] first logits row of each request
-    expanded_idx_mapping: torch.Tensor  # [num_logits] slot of each logits row
-    expanded_local_pos: torch.Tensor  # [num_logits] row's position within its request, 0..num_drafts
+    slots_np: np.ndarray  # [num_reqs] batch position -> slot
+    slots: torch.Tensor  # [num_reqs]
+    cu_num_logits_np: np.ndarray  # [num_reqs + 1] first logits position of each request
+    expanded_slots: torch.Tensor  # [num_logits] slot of each logits position
+    expanded_local_pos: torch.Tensor  # [num_logits] its index within its request, 0..num_drafts
 
     @property
     def num_reqs(self) -> int:
@@ -32,16 +32,16 @@ class InputBatch:
 
     @staticmethod
     def build(req_ids: list[str], slots: np.ndarray, num_logits: np.ndarray, device) -> "InputBatch":
-        """From each request's slot and number of logits rows."""
+        """From each request's slot and number of logits positions."""
         cu = np.zeros(len(req_ids) + 1, dtype=np.int64)
         np.cumsum(num_logits, out=cu[1:])
         expanded_slots = np.repeat(slots, num_logits)
         local_pos = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], num_logits)
         return InputBatch(
             req_ids=req_ids,
-            idx_mapping_np=slots.astype(np.int32),
-            idx_mapping=torch.from_numpy(slots.astype(np.int32)).to(device),
+            slots_np=slots.astype(np.int32),
+            slots=torch.from_numpy(slots.astype(np.int32)).to(device),
             cu_num_logits_np=cu,
-            expanded_idx_mapping=torch.from_numpy(expanded_slots.astype(np.int32)).to(device),
+            expanded_slots=torch.from_numpy(expanded_slots.astype(np.int32)).to(device),
             expanded_local_pos=torch.from_numpy(local_pos.astype(np.int32)).to(device),
         )

@@ -14,13 +14,12 @@ from minispec.sampling_params import SamplingParams
 class RequestMetrics:
     """Speculation and timing counters of one request."""
 
-    num_drafts: int = 0  # verifications that had at least one draft
+    num_spec_verifications: int = 0  # verifications that had at least one draft
     num_draft_tokens: int = 0  # drafts verified (placeholders excluded)
     num_accepted_tokens: int = 0  # accepted drafts that were emitted (a stop or max_tokens cuts a run)
     num_emitted_tokens: int = 0  # tokens emitted by verifications with drafts (accepted + drawn, as cut)
     num_stale_drafts: int = 0  # drafts rejected because their draft logits row was taken
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
-    betas: list[float] = field(default_factory=list)  # sum_x min(p, q) per verified draft, if recorded
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -28,7 +27,7 @@ class RequestMetrics:
     @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per verification with drafts (1 + accepted / drafts unless a stop cut a run)."""
-        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 1.0
+        return self.num_emitted_tokens / self.num_spec_verifications if self.num_spec_verifications else 1.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -38,13 +37,12 @@ class RequestMetrics:
     def as_dict(self, num_generated: int) -> dict:
         elapsed = (self.finish_time or time.perf_counter()) - self.arrival_time
         return {
-            "num_drafts": self.num_drafts,
+            "num_spec_verifications": self.num_spec_verifications,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_emitted_tokens": self.num_emitted_tokens,
             "num_stale_drafts": self.num_stale_drafts,
             "accepted_per_position": list(self.accepted_per_position),
-            "betas": list(self.betas),
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "time_to_first_token_s": (self.first_token_time - self.arrival_time) if self.first_token_time else None,

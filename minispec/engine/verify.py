@@ -6,14 +6,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minispec.distributed import get_tp_group, rows_to_owners, share_from_owners
+from minispec.distributed import get_tp_group, to_owners, share_from_owners
 from minispec.engine.input_batch import InputBatch
-from minispec.engine.model_runner import ModelRunner
+from minispec.engine.observer import Observer
 from minispec.engine.request import Request
 from minispec.engine.scheduler import ScheduledRequest
+from minispec.runner.model_runner import ModelRunner
 from minispec.sample.random import verify_draws
+from minispec.sample.sampler import BatchSampling
 from minispec.spec_decode.draft_logits import DraftLogitsCache, shard_owners
-from minispec.spec_decode.proposer import BatchSampling
 from minispec.spec_decode.rejection_sampler import rejection_sample
 
 
@@ -30,13 +31,14 @@ class Verdict:
 class Verifier:
     """Runs the target over a step's batch and samples each verified request's next tokens."""
 
-    def __init__(self, target: ModelRunner, draft_logits: DraftLogitsCache | None, k: int, vocab_size: int, config):
+    def __init__(self, target: ModelRunner, draft_logits: DraftLogitsCache | None, k: int, vocab_size: int,
+                 observer: Observer):
         self.tp = get_tp_group()
         self.target = target
         self.draft_logits = draft_logits
         self.k = k
         self.vocab_size = vocab_size
-        self.config = config  # EngineConfig: record_beta keeps sum_x min(p, q) of every verified draft
+        self.observer = observer  # record_beta: hand sum_x min(p, q) of every verified draft to on_verify
         self.device = target.device
 
     def __call__(self, scheduled: list[ScheduledRequest]) -> Verdict | None:
@@ -70,7 +72,7 @@ class Verifier:
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
         owners = self._owners(slots)  # [num_reqs]
         num_logits_v = np.array([1 + r.num_drafts for r in reqs], dtype=np.int64)
-        logits = rows_to_owners(self.tp, logits, np.repeat(owners, num_logits_v))[:, : self.vocab_size]
+        logits = to_owners(self.tp, logits, np.repeat(owners, num_logits_v))[:, : self.vocab_size]
         # Every rank draws every request's randomness (streams stay in step), owners use theirs.
         u, noise = verify_draws([None if r.params.greedy else r.random.verify for r in reqs], self.k, self.vocab_size)
         mine = owners == self.tp.rank_in_group
@@ -99,32 +101,33 @@ class Verifier:
                 draft_tokens[start : start + r.num_drafts] = r.drafts
         draft_tokens_t = torch.from_numpy(draft_tokens).to(self.device)
         sampled = any(not r.params.greedy for r in reqs)
-        draft_logits, stale = logits, None  # without a cache every row is a bonus row
+        record_beta = self.observer.record_beta and self.draft_logits is not None
+        draft_logits, stale = logits, None  # without a cache every logits position is a bonus
         if self.draft_logits is not None:
             cache = self.draft_logits
-            if sampled or self.config.record_beta:  # all-greedy verification compares tokens only
+            if sampled or record_beta:  # all-greedy verification compares tokens only
                 steps = batch.expanded_local_pos.long().clamp(max=k - 1)  # [num_logits]
-                draft_logits = cache.read(batch.expanded_idx_mapping.long(), steps)  # [num_logits, V]
+                draft_logits = cache.read(batch.expanded_slots.long(), steps)  # [num_logits, V]
             stale = cache.stale_drafts(batch)
             if stale is not None:
                 stale = stale & (draft_tokens_t >= 0)
-        sampling = BatchSampling(reqs, self.device)
+        sampling = BatchSampling([r.params for r in reqs], self.device)
         cu = torch.from_numpy(batch.cu_num_logits_np).to(self.device)
         out = rejection_sample(
             logits, draft_logits, draft_tokens_t, stale, cu, sampling.temperature, sampling.top_k,
             sampling.top_p, u[:, : int(num_logits.max()) - 1].to(self.device), noise.to(self.device),
-            return_probs=self.config.record_beta,
+            return_probs=record_beta,
         )
         tokens = torch.full((n, k + 1), -1, dtype=torch.int64)  # [num_reqs, k + 1]
         tokens[:, : out[0].shape[1]] = out[0].cpu()
         # A target that emits NaN or +inf logits cannot be sampled from: the request ends with an error.
-        bad_row = ~torch.isfinite(logits.amax(dim=-1)).cpu()  # [num_logits]; NaN, +inf or nothing finite
-        req_of_row = torch.repeat_interleave(torch.arange(n), torch.from_numpy(num_logits))  # [num_logits]
-        bad = torch.zeros(n, dtype=torch.int64).index_add_(0, req_of_row, bad_row.long()) > 0  # [num_reqs]
+        bad_pos = ~torch.isfinite(logits.amax(dim=-1)).cpu()  # [num_logits]; NaN, +inf or nothing finite
+        req_of_pos = torch.repeat_interleave(torch.arange(n), torch.from_numpy(num_logits))  # [num_logits]
+        bad = torch.zeros(n, dtype=torch.int64).index_add_(0, req_of_pos, bad_pos.long()) > 0  # [num_reqs]
         num_stale = torch.zeros(n, dtype=torch.int64)  # [num_reqs]
         if stale is not None:
-            num_stale.index_add_(0, req_of_row, stale.cpu().long())
-        if self.config.record_beta:
+            num_stale.index_add_(0, req_of_pos, stale.cpu().long())
+        if record_beta:
             self._record_beta(reqs, batch, draft_tokens, stale, *out[2:])
         return Verdict(tokens, out[1].cpu().to(torch.int64), num_stale, bad)
 
@@ -134,8 +137,9 @@ class Verifier:
         if stale is not None:
             valid &= ~stale.cpu().numpy()
         beta = torch.minimum(p, q).sum(dim=-1).cpu().numpy()  # [num_logits]
-        for r, start, end in zip(reqs, batch.cu_num_logits_np[:-1], batch.cu_num_logits_np[1:]):
-            r.metrics.betas.extend(float(b) for b, v in zip(beta[start:end], valid[start:end]) if v)
+        cu = batch.cu_num_logits_np
+        self.observer.on_verify(reqs, [[float(b) for b, v in zip(beta[start:end], valid[start:end]) if v]
+                                       for start, end in zip(cu[:-1], cu[1:])])
 
     def _owners(self, slots: np.ndarray) -> np.ndarray:
         """The TP rank that verifies each request (the rank that caches its draft logits)."""

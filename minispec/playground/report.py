@@ -22,7 +22,7 @@ CSV_SCALARS = [
     "config_id", "target", "draft", "draft_label", "policy", "k", "temperature", "top_p", "prompt_set", "batch_size",
     "num_prompts", "max_tokens", "chat", "dtype", "seed", "prompts_truncated",
     "num_generated", "elapsed_s", "tokens_per_s", "baseline_tokens_per_s", "speedup", "baseline_drift",
-    "num_verifications", "tokens_per_verification", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+    "num_verifications", "tokens_per_verification", "num_spec_verifications", "num_draft_tokens", "num_accepted_tokens",
     "num_stale_drafts", "draft_coverage", "mean_k",
     "alpha", "acceptance_rate", "first_position_rate", "tau", "tau_theory", "beta_mean", "beta_min", "beta_max", "beta_count",
     "c", "verify_ratio", "verify_ratio_fit", "target_step_ms", "draft_step_ms", "predicted_speedup", "predicted_speedup_from_tau",

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from minispec.distributed import init_distributed
+from minispec.engine.observer import Observer, StepRecord
 from minispec.llm import LLM, has_chat_template
 from minispec.models.loader import LoadedModel, load_model
 from minispec.playground.config import PlaygroundConfig
@@ -85,19 +86,16 @@ def env_info() -> dict:
 
 
 # ---- one configuration ----------------------------------------------------------------------
-class _CountingPolicy:
-    """Engine.k_policy wrapper: counts draft opportunities and the k chosen at each (fixed k if no inner)."""
+class _RunPolicy:
+    """The k policy an LLM of the sweep is built with: each run's own policy (`inner`, set by run_one), fixed
+    k when it has none."""
 
-    def __init__(self, k_max: int, inner=None):
+    def __init__(self, k_max: int):
         self.k_max = k_max
-        self.inner = inner
-        self.counts = np.zeros(k_max + 1, dtype=np.int64)  # [k_max + 1]
+        self.inner = None
 
     def __call__(self, reqs) -> list[int]:
-        ks = self.inner(reqs) if self.inner is not None else [self.k_max] * len(reqs)
-        for k in ks:
-            self.counts[k] += 1
-        return ks
+        return self.inner(reqs) if self.inner is not None else [self.k_max] * len(reqs)
 
     def observe_step(self, *timing) -> None:
         if hasattr(self.inner, "observe_step"):
@@ -108,6 +106,42 @@ class _CountingPolicy:
             self.inner.free(req)
 
 
+class _Recorder(Observer):
+    """The sweep's engine observer: while recording, counts the k given at each draft opportunity and keeps
+    beta (sum_x min(p, q)) of every verified draft when record_beta."""
+
+    def __init__(self, k_max: int):
+        self.recording = False
+        self.record_beta = False
+        self.counts = np.zeros(k_max + 1, dtype=np.int64)  # [k_max + 1]
+        self.betas: list[float] = []
+
+    def start(self, record_beta: bool) -> None:
+        self.recording, self.record_beta = True, record_beta
+        self.counts[:] = 0
+        self.betas = []
+
+    def stop(self) -> None:
+        self.recording = self.record_beta = False
+
+    def on_step(self, step: StepRecord) -> None:
+        if self.recording:
+            np.add.at(self.counts, step.ks, 1)
+
+    def on_verify(self, reqs, betas: list[list[float]]) -> None:
+        self.betas += [b for bs in betas for b in bs]
+
+
+class SweepLLM:
+    """An LLM on the sweep's loaded models (draft None: target only), built with its _RunPolicy and _Recorder."""
+
+    def __init__(self, target: LoadedModel, draft, k: int, b: int, **common):
+        self.policy = _RunPolicy(k) if draft is not None else None
+        self.recorder = _Recorder(k)
+        self.llm = LLM(target, draft, num_speculative_tokens=max(k, 1), max_num_seqs=b, k_policy=self.policy,
+                       observer=self.recorder, **common)
+
+
 def encode_for(llm: LLM, prompts: list[str], chat: bool, max_tokens: int) -> tuple[list[list[int]], int]:
     """Token ids per prompt, cut from the left to leave room for max_tokens; and how many were cut. A target
     without a tokenizer (a tiny random model) gets each prompt's UTF-8 bytes modulo its vocabulary."""
@@ -115,33 +149,34 @@ def encode_for(llm: LLM, prompts: list[str], chat: bool, max_tokens: int) -> tup
     return encode_prompts(llm.tokenizer, prompts, chat, room, llm.target.name, llm.target.vocab_size)
 
 
-def run_one(llm: LLM, prompt_ids: list[list[int]], params: list[SamplingParams], record_beta: bool, policy=None) -> dict:
-    """Generate every prompt in one call; return timing and the summed speculation counters."""
-    engine = llm.engine
-    engine.config.record_beta = record_beta and engine.proposer is not None
-    counter = _CountingPolicy(engine.k, policy) if engine.proposer is not None else None
-    engine.k_policy = counter
+def run_one(run: SweepLLM, prompt_ids: list[list[int]], params: list[SamplingParams], record_beta: bool,
+            policy=None) -> dict:
+    """Generate every prompt in one call (policy: this run's k policy, None for fixed k); return timing, the
+    summed speculation counters, the k counts and the betas."""
+    if run.policy is not None:
+        run.policy.inner = policy
+    run.recorder.start(record_beta)
     t0 = time.perf_counter()
-    outs = llm.generate(prompt_ids, params)
+    outs = run.llm.generate(prompt_ids, params)
     elapsed = time.perf_counter() - t0
-    engine.k_policy = None
-    engine.config.record_beta = False
-    return {**aggregate(outs), "elapsed_s": elapsed,
-            "betas": np.array([b for o in outs for b in o.metrics["betas"]], dtype=np.float64),
-            "k_counts": counter.counts.tolist() if counter is not None else []}
+    run.recorder.stop()
+    if run.policy is not None:
+        run.policy.inner = None
+    return {**aggregate(outs), "elapsed_s": elapsed, "betas": np.array(run.recorder.betas, dtype=np.float64),
+            "k_counts": run.recorder.counts.tolist() if run.policy is not None else []}
 
 
 def make_row(res: dict, k: int, costs: dict, draft_name: str | None) -> dict:
     """Derived quantities of one run: the estimators of tools/metrics.py, per-position rates, beta stats, predicted
     speedup. alpha (the i.i.d. MLE) assumes a fixed k: the adaptive rows drop it."""
-    nd, tau, alpha = res["num_drafts"], res["mean_accepted_length"], res["alpha"]
+    nd, tau, alpha = res["num_spec_verifications"], res["mean_accepted_length"], res["alpha"]
     betas = res["betas"]
     opportunities = int(np.sum(res["k_counts"][1:])) if res["k_counts"] else 0
     row = {
         "num_generated": res["num_tokens"],
         "elapsed_s": res["elapsed_s"],
         "tokens_per_s": res["num_tokens"] / res["elapsed_s"] if res["elapsed_s"] > 0 else 0.0,
-        "num_drafts": nd,
+        "num_spec_verifications": nd,
         "num_draft_tokens": res["num_draft_tokens"],
         "num_accepted_tokens": res["num_accepted_tokens"],
         "num_emitted_tokens": res["num_emitted_tokens"],
@@ -249,7 +284,8 @@ class _Sweep:
         cfg, k_max = self.cfg, max(self.ks)
         fixed, adaptive = "fixed" in cfg.policy, "adaptive" in cfg.policy
         bar.set_postfix_str(f"bs={b} target-only")
-        base_llm = LLM(self.target, None, max_num_seqs=b, **self.common)
+        base = SweepLLM(self.target, None, 0, b, **self.common)
+        base_llm = base.llm
         chat = cfg.chat and has_chat_template(base_llm.tokenizer)
         encoded = {ps: encode_for(base_llm, p, chat, cfg.max_tokens) for ps, p in self.prompts.items()}
         bar.set_postfix_str(f"bs={b} cost ratios")
@@ -268,7 +304,7 @@ class _Sweep:
             out = {}
             for ps, t, top_p in self.sampling:
                 ids = encoded[ps][0]
-                out[(ps, t, top_p)] = run_one(base_llm, ids, self.params(t, top_p, len(ids)), False)
+                out[(ps, t, top_p)] = run_one(base, ids, self.params(t, top_p, len(ids)), False)
                 bar.update(1)
             return out
 
@@ -279,8 +315,8 @@ class _Sweep:
             label = _draft_label(name, cfg.target)
             for k in self.ks if fixed else [k_max]:
                 bar.set_postfix_str(f"bs={b} draft={label} k={k}")
-                llm = LLM(self.target, draft, num_speculative_tokens=k, max_num_seqs=b, **self.common)
-                self.warm(llm, encoded)
+                run = SweepLLM(self.target, draft, k, b, **self.common)
+                self.warm(run.llm, encoded)
                 policies = (["fixed"] if fixed else []) + (["adaptive"] if adaptive and k == k_max else [])
                 for policy, (ps, t, top_p) in itertools.product(policies, self.sampling):
                     ids = encoded[ps][0]
@@ -289,17 +325,17 @@ class _Sweep:
                         verify_costs = [1.0] + [costs["verify_ratio_fit"][j] for j in range(1, k + 1)]
                         pol = AdaptiveK(k, draft_cost=costs["c"][name], verify_costs=verify_costs,
                                         **cfg.adaptive)
-                    res = run_one(llm, ids, self.params(t, top_p, len(ids)), cfg.record_beta, pol)
+                    res = run_one(run, ids, self.params(t, top_p, len(ids)), cfg.record_beta, pol)
                     row = {**settings(name, policy, k, ps, t, top_p), "draft_label": label, **make_row(res, k, costs, name)}
                     if policy == "adaptive":  # the fixed-k model does not apply; keep measured numbers only
                         for key in ("alpha", "tau_theory", "predicted_speedup", "predicted_speedup_from_tau"):
                             row[key] = None
                     rows.append(row)
                     bar.update(1)
-                del llm
+                del run
         bar.set_postfix_str(f"bs={b} target-only again")
         last = baseline_runs()
-        del base_llm
+        del base, base_llm
         base_rows, base_tps = [], {}
         for key, res in first.items():
             row = {**settings("none", "none", 0, *key), "draft_label": "none", **make_row(res, 0, costs, None)}

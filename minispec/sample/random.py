@@ -29,7 +29,7 @@ class RequestRandom:
 
 
 def uniforms(gens: Sequence[torch.Generator], n: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """U[0, 1) float32 [len(gens), n], row i drawn from gens[i] alone, moved to device.
+    """U[0, 1) float32 [len(gens), n], entry i drawn from gens[i] alone, moved to device.
 
     Each generator advances by exactly n draws: keep n independent of the batch (e.g. the number of
     speculative tokens) for a request's later draws not to depend on who it was batched with.
@@ -41,7 +41,7 @@ def uniforms(gens: Sequence[torch.Generator], n: int, device: torch.device | str
 
 
 def exponentials(gens: Sequence[torch.Generator], vocab: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Exp(1) float32 [len(gens), vocab], row i drawn from gens[i] alone, moved to device.
+    """Exp(1) float32 [len(gens), vocab], entry i drawn from gens[i] alone, moved to device.
 
     Inversion of float64 uniforms, -log(1 - u), as Tensor.exponential_ does per element but vectorised
     (about 2x faster on a CPU at a 49k vocabulary); float64 keeps u = 0 (an Exp draw of 0, which wins any
@@ -57,17 +57,17 @@ def exponentials(gens: Sequence[torch.Generator], vocab: int, device: torch.devi
 def verify_draws(gens: Sequence[torch.Generator | None], k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rejection sampler's randomness for a batch: uniforms [n, k] and Exp(1) noise [n, vocab].
 
-    gens[i] is request i's verify generator, or None for a greedy request, which draws nothing (its rows
+    gens[i] is request i's verify generator, or None for a greedy request, which draws nothing (its entries
     stay 0 and 1: the sampler ignores them). Only the sampled requests' generators advance.
     """
     sampled = [i for i, g in enumerate(gens) if g is not None]
     u = torch.zeros(len(gens), k)  # [n, k]
     noise = torch.ones(len(gens), 1).expand(len(gens), vocab)  # [n, vocab]
     if sampled:
-        rows = torch.tensor(sampled)
+        idx = torch.tensor(sampled)
         drawing = [gens[i] for i in sampled]
         if k:
-            u[rows] = uniforms(drawing, k)
+            u[idx] = uniforms(drawing, k)
         noise = noise.contiguous()
-        noise[rows] = exponentials(drawing, vocab)
+        noise[idx] = exponentials(drawing, vocab)
     return u, noise

@@ -279,5 +279,6 @@ def _spec(last: Update) -> dict:
     s = dict(last.spec)
     if s:
         s["acceptance_rate"] = s["num_accepted_tokens"] / s["num_draft_tokens"] if s["num_draft_tokens"] else 0.0
-        s["mean_accepted_length"] = s["num_emitted_tokens"] / s["num_drafts"] if s["num_drafts"] else 1.0
+        n = s["num_spec_verifications"]
+        s["mean_accepted_length"] = s["num_emitted_tokens"] / n if n else 1.0
     return s

@@ -19,7 +19,8 @@ import torch
 from minispec.distributed import get_tp_group
 from minispec.sampling_params import SamplingParams
 
-SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_stale_drafts")
+SPEC_KEYS = ("num_spec_verifications", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
+             "num_stale_drafts")
 
 
 @dataclass(slots=True)
@@ -212,7 +213,7 @@ class EngineLoop:
 
     def _observe(self, live: _Live, req, new_token_ids: list[int], now: float) -> None:
         m, metrics = req.metrics, self.metrics
-        counts = (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
+        counts = (m.num_spec_verifications, m.num_draft_tokens, m.num_accepted_tokens)
         per_pos = list(m.accepted_per_position)
         metrics.observe_spec(*(c - s for c, s in zip(counts, live.seen)),
                              [c - s for c, s in zip(per_pos, live.seen_per_pos)])

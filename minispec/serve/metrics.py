@@ -43,7 +43,8 @@ class ServerMetrics:
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 names + ["finished_reason"], registry=self.registry)
         self._labels = labels
-        self.num_drafts = make(Counter, "vllm:spec_decode_num_drafts", "Verifications with at least one draft.")
+        self.num_spec_verifications = make(Counter, "vllm:spec_decode_num_drafts",
+                                           "Verifications with at least one draft.")
         self.num_draft_tokens = make(Counter, "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.num_accepted_tokens = make(Counter, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.",
@@ -65,8 +66,9 @@ class ServerMetrics:
         if itl_s is not None:
             self.itl.observe(itl_s)
 
-    def observe_spec(self, num_drafts: int, num_draft_tokens: int, num_accepted: int, per_pos: list[int]) -> None:
-        self.num_drafts.inc(num_drafts)
+    def observe_spec(self, num_spec_verifications: int, num_draft_tokens: int, num_accepted: int,
+                     per_pos: list[int]) -> None:
+        self.num_spec_verifications.inc(num_spec_verifications)
         self.num_draft_tokens.inc(num_draft_tokens)
         self.num_accepted_tokens.inc(num_accepted)
         for counter, n in zip(self.accepted_per_pos, per_pos):

@@ -12,7 +12,7 @@ tokens per step. A step of batch size b with k drafts costs, in units of one pla
 where c is the draft's cost per drafted token relative to a target decode step (~0 for n-gram
 lookup) and v[k] the cost of a (k + 1)-token target forward relative to a 1-token one. Both depend
 on the batch size (a CPU or a big batch turns verification compute-bound), so a cost_model measured
-at each batch size (spec_decode/costs.MeasuredCosts, what LLM(adaptive_k=True) uses) replaces the
+at each batch-size bucket before serving (spec_decode/costs.MeasuredCosts, what LLM(adaptive_k=True) uses) replaces the
 fixed draft_cost / verify_costs. Those time the forwards only; `overhead` is the rest of a
 speculative step (proposer sampling, draft-logits writes, the rejection sampler), measured in the
 engine's own steps: the ratio of step time to forward time in speculative steps over the same
@@ -51,7 +51,6 @@ drafts the largest k of the batch and each request keeps its own k of those draf
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,7 +80,7 @@ class _RequestState:
     req: object  # the Request this state belongs to (a new request reusing the id starts afresh)
     seen_draft_tokens: int = 0  # the request's counters at the previous call
     seen_accepted: int = 0
-    seen_drafts: int = 0
+    seen_verifications: int = 0
     asked: int = 0  # the k this policy gave it last time
     successes: float = 0.0
     trials: float = 0.0
@@ -145,7 +144,6 @@ class AdaptiveK:
         # bucket -> [decayed step seconds, decayed forward seconds] of speculative (index 1) / plain (0) steps
         self.step_times: dict[int, np.ndarray] = {}
         self.steps_off = 0
-        self._cost_model_s = 0.0  # seconds spent measuring costs since the last observe_step (not step overhead)
         self.states: dict[str, _RequestState] = {}
         self.counts = np.zeros(k_max + 1, dtype=np.int64)  # [k_max + 1] how often each k was chosen (per request)
 
@@ -173,9 +171,7 @@ class AdaptiveK:
         forward = self.fixed_costs
         if self.cost_model is not None:
             if batch_size not in self._costs_by_batch:
-                t0 = time.perf_counter()
                 self._costs_by_batch[batch_size] = self.step_costs(*self.cost_model(batch_size))
-                self._cost_model_s += time.perf_counter() - t0
             forward = self._costs_by_batch[batch_size]
         costs = forward * self.overhead(batch_size)
         costs[0] = 1.0
@@ -183,8 +179,6 @@ class AdaptiveK:
 
     def observe_step(self, batch_size: int, speculative: bool, step_s: float, forward_s: float) -> None:
         """Engine hook, once per step: its wall time and the part of it spent in model forwards."""
-        step_s -= self._cost_model_s  # a first-use cost measurement is not a cost of speculating
-        self._cost_model_s = 0.0
         if batch_size <= 0 or forward_s <= 0:
             return
         t = self.step_times.setdefault(batch_bucket(batch_size), np.zeros((2, 2)))
@@ -245,11 +239,12 @@ class AdaptiveK:
             prior = self.prior_alpha if self._seeded(req) else self.prior()
             s = self.states[req.req_id] = _RequestState(req, successes=prior * self.prior_weight,
                                                          trials=self.prior_weight, probe_gap=self.probe_every)
-        if m.num_drafts > s.seen_drafts:  # the last step verified drafts of ours: one observation
+        if m.num_spec_verifications > s.seen_verifications:  # the last step verified drafts of ours: one observation
             self.observe(req.req_id, m.num_draft_tokens - s.seen_draft_tokens, m.num_accepted_tokens - s.seen_accepted)
         elif s.asked:  # asked for drafts, got none (an n-gram miss): nothing to accept, a failed run
             self.observe(req.req_id, s.asked, 0)
-        s.seen_drafts, s.seen_draft_tokens, s.seen_accepted = m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens
+        s.seen_verifications, s.seen_draft_tokens = m.num_spec_verifications, m.num_draft_tokens
+        s.seen_accepted = m.num_accepted_tokens
 
     def free(self, req) -> None:
         """Engine hook: the request finished; forget its state."""

@@ -1,7 +1,7 @@
 """Cost ratios on a fixed context: draft step vs target step (c), and (k + 1)-token vs 1-token target forwards.
 
 Used by the playground's predictions and by AdaptiveK's measured cost model (MeasuredCosts), which
-measures them on the engine's own models at each batch size the engine runs.
+measures them on the engine's own models at every batch-size bucket before serving.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import numpy as np
 import torch
 
-from minispec.engine.model_runner import ModelRunner
+from minispec.runner.model_runner import ModelRunner
 from minispec.spec_decode.adaptive import batch_bucket
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 from minispec.spec_decode.ngram import ngram_drafts
@@ -20,25 +20,24 @@ MIN_SAMPLE_S = 0.005  # a timed sample repeats a fast call until it lasts about 
 
 
 class _FixedContext:
-    """A model runner whose `batch_size` slots all hold the same `context` random tokens."""
+    """A model runner whose `num_slots` slots all hold the same `context` random tokens."""
 
-    def __init__(self, model, batch_size: int, context: int, extra: int, vocab_size: int, dtype, device, seed: int):
-        self.runner = ModelRunner(model, batch_size, context + extra + 1, dtype=dtype, device=device)
-        self.batch_size = batch_size
+    def __init__(self, model, num_slots: int, context: int, extra: int, vocab_size: int, dtype, device, seed: int):
+        self.runner = ModelRunner(model, num_slots, context + extra + 1, dtype=dtype, device=device)
         self.context = context
         rng = np.random.default_rng(seed)
         self.ids = rng.integers(0, vocab_size, size=context).tolist()
-        slots = list(range(batch_size))
-        self.runner.forward(slots, [0] * batch_size, [self.ids] * batch_size, [1] * batch_size)
+        # Prefill slot 0 and copy its K/V into the others: one context forward, whatever the batch.
+        self.runner.forward([0], [0], [self.ids], [1])
+        for cache in self.runner.kv.k + self.runner.kv.v:  # [num_slots + 1, max_len, heads, head_dim] each
+            cache[1:num_slots, :context] = cache[0, :context]
 
-    def step(self, num_tokens: int) -> None:
-        """One forward of num_tokens new tokens per slot after the context, with logits for all of them.
-
-        Writes the same positions every call, so the context stays put between calls.
-        """
-        b = self.batch_size
+    def step(self, batch_size: int, num_tokens: int) -> None:
+        """One forward of num_tokens new tokens in each of the first batch_size slots after the context, with
+        logits for all of them. Writes the same positions every call, so the context stays put."""
         q = self.ids[:num_tokens]
-        self.runner.forward(list(range(b)), [self.context] * b, [q] * b, [num_tokens] * b)
+        self.runner.forward(list(range(batch_size)), [self.context] * batch_size, [q] * batch_size,
+                            [num_tokens] * batch_size)
 
 
 def _time(fn, n: int = 1) -> float:
@@ -49,53 +48,74 @@ def _time(fn, n: int = 1) -> float:
     return (time.perf_counter() - t0) / n
 
 
-@torch.inference_mode()
+class CostBench:
+    """The target and drafts on a fixed context of `context` tokens in up to max_batch_size slots, ready to time
+    at any batch size up to that (measure). The context is prefilled once, when it is built.
+
+    drafts: name -> native draft model, or "ngram" (prompt lookup: n-gram match + one-hot logits write; a
+    k_max-token lookup counts as k_max drafted tokens).
+    """
+
+    @torch.inference_mode()
+    def __init__(self, target_model, drafts: dict, k_max: int, max_batch_size: int, context: int, vocab_size: int,
+                 dtype, device, ngram_n: tuple[int, int] = (1, 3), seed: int = 0):
+        self.k_max, self.vocab_size, self.device, self.ngram_n, self.seed = k_max, vocab_size, device, ngram_n, seed
+        self.target = _FixedContext(target_model, max_batch_size, context, k_max, vocab_size, dtype, device, seed)
+        self.drafts = {name: model if model == "ngram" else
+                       _FixedContext(model, max_batch_size, context, k_max, vocab_size, getattr(model, "dtype", dtype),
+                                     device, seed)
+                       for name, model in drafts.items()}
+
+    @torch.inference_mode()
+    def measure(self, batch_size: int, repeats: int) -> dict:
+        """Step times at batch_size (fastest of 1 + `repeats` samples: the warm-up call is one) and the cost ratios
+        of the speedup model:
+          target_step_ms       a 1-token target forward of batch_size requests
+          verify_ms/_ratio     {k: (k + 1)-token target forward, in ms / over target_step_ms} for k in 1..k_max
+          verify_ratio_fit     {k: the ratios' least-squares line a + b k (b >= 0, values >= 1)}
+          draft_step_ms, c     {name: one draft step in ms / over target_step_ms}
+        Measurements go round-robin in a shuffled order, so machine noise hits them alike.
+        """
+        b, k_max, target = batch_size, self.k_max, self.target
+        timers = {"target": lambda: target.step(b, 1)}
+        for k in range(1, k_max + 1):
+            timers[f"verify{k}"] = lambda k=k: target.step(b, k + 1)
+        per_token = {}  # draft name -> drafted tokens one timed call stands for
+        for name, draft in self.drafts.items():
+            if draft == "ngram":
+                timers[f"draft:{name}"] = _ngram_step(b, k_max, self.vocab_size, target.ids, self.ngram_n, self.device)
+                per_token[name] = k_max
+            else:
+                timers[f"draft:{name}"] = lambda draft=draft: draft.step(b, 1)
+                per_token[name] = 1
+        # Warm up (a first sample), and batch calls that take under MIN_SAMPLE_S (tiny models) so timer noise
+        # stays small.
+        times: dict[str, list[float]] = {name: [_time(fn)] for name, fn in timers.items()}
+        calls = {name: max(1, min(100, int(MIN_SAMPLE_S / max(t[0], 1e-6)))) for name, t in times.items()}
+        order = np.random.default_rng(self.seed)
+        names = list(timers)
+        for _ in range(repeats):
+            for i in order.permutation(len(names)):  # a fresh order each round: no timer always goes first
+                times[names[i]].append(_time(timers[names[i]], calls[names[i]]))
+        best = {name: float(np.min(t)) for name, t in times.items()}  # noise only adds: the fastest is the cost
+        t_target = best["target"]
+        ks = range(1, k_max + 1)
+        verify_ratio = {k: best[f"verify{k}"] / t_target for k in ks}
+        return {
+            "target_step_ms": 1e3 * t_target,
+            "verify_ms": {k: 1e3 * best[f"verify{k}"] for k in ks},
+            "verify_ratio": verify_ratio,
+            "verify_ratio_fit": dict(zip(ks, fit_verify_ratios(list(verify_ratio.values())))),
+            "draft_step_ms": {name: 1e3 * best[f"draft:{name}"] / per_token[name] for name in self.drafts},
+            "c": {name: best[f"draft:{name}"] / per_token[name] / t_target for name in self.drafts},
+        }
+
+
 def measure_costs(target_model, drafts: dict, k_max: int, batch_size: int, context: int, repeats: int,
                   vocab_size: int, dtype, device, ngram_n: tuple[int, int] = (1, 3), seed: int = 0) -> dict:
-    """Step times on a fixed context (fastest of `repeats` samples) and the cost ratios of the speedup model.
-
-    drafts: name -> native draft model, or "ngram" (prompt lookup: n-gram match + one-hot logits
-    write; a k_max-token lookup counts as k_max drafted tokens). Returns
-      target_step_ms       a 1-token target forward of batch_size requests
-      verify_ms/_ratio     {k: (k + 1)-token target forward, in ms / over target_step_ms} for k in 1..k_max
-      verify_ratio_fit     {k: the ratios' least-squares line a + b k (b >= 0, values >= 1)}
-      draft_step_ms, c     {name: one draft step in ms / over target_step_ms}
-    Measurements go round-robin in a shuffled order, so machine noise hits them alike.
-    """
-    target = _FixedContext(target_model, batch_size, context, k_max, vocab_size, dtype, device, seed)
-    timers = {"target": lambda: target.step(1)}
-    for k in range(1, k_max + 1):
-        timers[f"verify{k}"] = lambda k=k: target.step(k + 1)
-    per_token = {}  # draft name -> drafted tokens one timed call stands for
-    for name, model in drafts.items():
-        if model == "ngram":
-            timers[f"draft:{name}"] = _ngram_step(batch_size, k_max, vocab_size, target.ids, ngram_n, device)
-            per_token[name] = k_max
-        else:
-            draft = _FixedContext(model, batch_size, context, k_max, vocab_size, getattr(model, "dtype", dtype),
-                                  device, seed)
-            timers[f"draft:{name}"] = lambda draft=draft: draft.step(1)
-            per_token[name] = 1
-    # Warm up, and batch calls that take under MIN_SAMPLE_S (tiny models) so timer noise stays small.
-    calls = {name: max(1, min(100, int(MIN_SAMPLE_S / max(_time(fn), 1e-6)))) for name, fn in timers.items()}
-    times: dict[str, list[float]] = {name: [] for name in timers}
-    order = np.random.default_rng(seed)
-    names = list(timers)
-    for _ in range(repeats):
-        for i in order.permutation(len(names)):  # a fresh order each round: no timer always goes first
-            times[names[i]].append(_time(timers[names[i]], calls[names[i]]))
-    best = {name: float(np.min(t)) for name, t in times.items()}  # noise only adds: the fastest sample is the cost
-    t_target = best["target"]
-    ks = range(1, k_max + 1)
-    verify_ratio = {k: best[f"verify{k}"] / t_target for k in ks}
-    return {
-        "target_step_ms": 1e3 * t_target,
-        "verify_ms": {k: 1e3 * best[f"verify{k}"] for k in ks},
-        "verify_ratio": verify_ratio,
-        "verify_ratio_fit": dict(zip(ks, fit_verify_ratios(list(verify_ratio.values())))),
-        "draft_step_ms": {name: 1e3 * best[f"draft:{name}"] / per_token[name] for name in drafts},
-        "c": {name: best[f"draft:{name}"] / per_token[name] / t_target for name in drafts},
-    }
+    """CostBench(...).measure(batch_size, repeats): step times and cost ratios at one batch size."""
+    return CostBench(target_model, drafts, k_max, batch_size, context, vocab_size, dtype, device, ngram_n,
+                     seed).measure(batch_size, repeats)
 
 
 def fit_verify_ratios(ratios: list[float]) -> list[float]:
@@ -130,34 +150,34 @@ def _ngram_step(batch_size: int, k: int, vocab_size: int, history: list[int], ng
 
 class MeasuredCosts:
     """AdaptiveK's cost model: (c, [v_0 = 1, v_1 .. v_k_max]) at a batch size, measured by measure_costs on
-    the engine's own target and draft on first use of each power-of-two batch bucket (then cached).
+    the engine's own target and draft for every power-of-two batch bucket up to max_batch_size, all of them
+    when it is built (before serving: a step never measures).
 
     draft: the native draft model, or "ngram". Under tensor parallelism every rank measures (the forwards
-    are collective) and all use rank 0's numbers, so their choices agree. Measuring takes a few forwards per bucket (about a
-    second for SmolLM2-135M on a CPU); runners of their own keep the engine's KV cache untouched.
+    are collective) and all use rank 0's numbers, so their choices agree. Runners of its own keep the
+    engine's KV cache untouched. measure_s: the seconds measuring took (repeats: samples per timer beyond the
+    warm-up call; LLM uses 1).
     """
 
     def __init__(self, target_model, draft, k_max: int, max_batch_size: int, vocab_size: int, dtype, device,
                  context: int = 128, repeats: int = 3):
-        self.target_model, self.draft = target_model, draft
         self.k_max, self.max_batch_size = k_max, max_batch_size
-        self.vocab_size, self.dtype, self.device = vocab_size, dtype, device
-        self.context, self.repeats = context, repeats
         self.table: dict[int, tuple[float, list[float]]] = {}  # bucket -> (c, verify costs)
+        t0 = time.perf_counter()
+        bench = CostBench(target_model, {"draft": draft}, k_max, max_batch_size, context, vocab_size, dtype, device)
+        for b in sorted({self.bucket(n) for n in range(1, max_batch_size + 1)}):
+            costs = bench.measure(b, repeats)
+            values = torch.tensor([costs["c"]["draft"]] + [costs["verify_ratio_fit"][k] for k in
+                                                              range(1, k_max + 1)], dtype=torch.float64)
+            tp = getattr(target_model, "tp_group", None)
+            if tp is not None and tp.world_size > 1:  # every rank must choose the same k: rank 0's timings
+                values = tp.broadcast(values.to(tp.device)).cpu()
+            self.table[b] = (float(values[0]), [1.0] + values[1:].tolist())
+        self.measure_s = time.perf_counter() - t0
 
     def bucket(self, batch_size: int) -> int:
         """The power of two at or above batch_size, capped at max_batch_size."""
         return min(self.max_batch_size, batch_bucket(batch_size))
 
     def __call__(self, batch_size: int) -> tuple[float, list[float]]:
-        b = self.bucket(batch_size)
-        if b not in self.table:
-            costs = measure_costs(self.target_model, {"draft": self.draft}, self.k_max, b, self.context,
-                                  self.repeats, self.vocab_size, self.dtype, self.device)
-            values = torch.tensor([costs["c"]["draft"]] + [costs["verify_ratio_fit"][k] for k in
-                                                              range(1, self.k_max + 1)], dtype=torch.float64)
-            tp = getattr(self.target_model, "tp_group", None)
-            if tp is not None and tp.world_size > 1:  # every rank must choose the same k: rank 0's timings
-                values = tp.broadcast(values.to(tp.device)).cpu()
-            self.table[b] = (float(values[0]), [1.0] + values[1:].tolist())
-        return self.table[b]
+        return self.table[self.bucket(batch_size)]

@@ -44,21 +44,21 @@ def shard_rows(n: int, tp: int) -> np.ndarray:
 
 
 @triton.jit
-def draft_logits_row(req_state_idx, row_mapping_ptr):
+def draft_logits_row(slot, row_mapping_ptr):
     """Row of a request in this rank's draft logits cache, or -1 if no row.
 
-    ``row_mapping_ptr`` is None for a replicated cache, whose row is the slot (req_state_idx);
+    ``row_mapping_ptr`` is None for a replicated cache, whose row is the slot;
     otherwise it is ``DraftLogitsCache.row_mapping``.
     """
-    row = req_state_idx
+    row = slot
     if row_mapping_ptr is not None:
-        row = tl.load(row_mapping_ptr + req_state_idx, mask=req_state_idx >= 0, other=-1)
+        row = tl.load(row_mapping_ptr + slot, mask=slot >= 0, other=-1)
     return row.to(tl.int64)
 
 
 @triton.jit
 def _assign_rows_kernel(
-    idx_mapping_ptr,  # [num_reqs] batch position -> slot
+    slots_ptr,  # [num_reqs] batch position -> slot
     shard_mapping_ptr,  # [max_num_reqs] slot -> owner rank
     row_mapping_ptr,  # [max_num_reqs] slot -> row on this rank, -1 if none
     inverse_row_mapping_ptr,  # [num_rows] row -> slot, -1 if none
@@ -69,7 +69,7 @@ def _assign_rows_kernel(
 ):
     pos = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = pos < num_reqs
-    slot = tl.load(idx_mapping_ptr + pos, mask=mask, other=0)
+    slot = tl.load(slots_ptr + pos, mask=mask, other=0)
     owner = pos % NUM_SHARDS
     row = pos // NUM_SHARDS
     mine = owner == SHARD_IDX
@@ -79,7 +79,7 @@ def _assign_rows_kernel(
 
 
 def _assign_rows_torch(
-    idx_mapping: torch.Tensor,
+    slots: torch.Tensor,
     shard_mapping: torch.Tensor,
     row_mapping: torch.Tensor,
     inverse_row_mapping: torch.Tensor,
@@ -87,7 +87,7 @@ def _assign_rows_torch(
     shard_idx: int,
 ) -> None:
     """Torch reference of _assign_rows_kernel: updates the three tables in place."""
-    slots = idx_mapping.long()  # [num_reqs]
+    slots = slots.long()  # [num_reqs]
     pos = torch.arange(slots.shape[0], device=slots.device)  # [num_reqs]
     owner = pos % num_shards
     row = pos // num_shards
@@ -100,8 +100,8 @@ def _assign_rows_torch(
 @triton.jit
 def _stale_drafts_kernel(
     stale_ptr,  # [num_logits] bool out
-    expanded_idx_mapping_ptr,  # [num_logits] logits row -> slot
-    expanded_local_pos_ptr,  # [num_logits] logits row -> position within its request
+    expanded_slots_ptr,  # [num_logits] logits position -> slot
+    expanded_local_pos_ptr,  # [num_logits] logits position -> its index within its request
     row_mapping_ptr,  # [max_num_reqs]
     inverse_row_mapping_ptr,  # [num_rows]
     num_logits,
@@ -110,7 +110,7 @@ def _stale_drafts_kernel(
 ):
     idx = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = idx < num_logits
-    slot = tl.load(expanded_idx_mapping_ptr + idx, mask=mask, other=-1)
+    slot = tl.load(expanded_slots_ptr + idx, mask=mask, other=-1)
     local_pos = tl.load(expanded_local_pos_ptr + idx, mask=mask, other=0)
     row = draft_logits_row(slot, row_mapping_ptr)
     last_slot = tl.load(inverse_row_mapping_ptr + row, mask=mask & (row >= 0), other=-1)
@@ -120,14 +120,14 @@ def _stale_drafts_kernel(
 
 
 def _stale_drafts_torch(
-    expanded_idx_mapping: torch.Tensor,
+    expanded_slots: torch.Tensor,
     expanded_local_pos: torch.Tensor,
     row_mapping: torch.Tensor,
     inverse_row_mapping: torch.Tensor,
     num_steps: int,
 ) -> torch.Tensor:
     """Torch reference of _stale_drafts_kernel: [num_logits] True for each stale draft."""
-    slot = expanded_idx_mapping.long()  # [num_logits]
+    slot = expanded_slots.long()  # [num_logits]
     row = torch.where(slot >= 0, row_mapping[slot.clamp(min=0)].long(), -1)  # [num_logits]
     last_slot = torch.where(row >= 0, inverse_row_mapping[row.clamp(min=0)].long(), -1)
     reads_cache = (expanded_local_pos >= 0) & (expanded_local_pos < num_steps)
@@ -214,7 +214,7 @@ class DraftLogitsCache:
         """Cache one-hot draft logits (0 at the draft, -inf elsewhere) in the rows this rank owns.
 
         rows: [num_reqs] each request's row (-1: another rank's); drafts: [num_reqs, k] (-1: none, its
-        logits row is all -inf and never read, since the rejection sampler rejects placeholders).
+        logits are all -inf and never read, since the rejection sampler rejects placeholders).
         """
         mine = rows >= 0  # [num_reqs]
         self.values[rows[mine]] = float("-inf")
@@ -228,23 +228,23 @@ class DraftLogitsCache:
         flags it)."""
         return self.values[self.rows_of(slots).clamp(min=0).long(), steps]
 
-    def assign(self, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray) -> None:
+    def assign(self, slots: torch.Tensor, slots_np: np.ndarray) -> None:
         """Give a sharded cache's rows out by batch position; call after verification and before
         the draft step writes the draft logits.
 
-        For batch position i with slot s = idx_mapping[i]: owner = i % tp and shard_mapping[s] =
+        For batch position i with slot s = slots[i]: owner = i % tp and shard_mapping[s] =
         owner (host copy here in numpy, device copy by the kernel); if the owner is this rank,
         row_mapping[s] = i // tp and inverse_row_mapping[i // tp] = s, else row_mapping[s] = -1.
         Slots not in the batch keep their entries, which is how stale_drafts finds them later.
         A no-op for a replicated cache.
         """
-        num_reqs = idx_mapping_np.shape[0]
+        num_reqs = slots_np.shape[0]
         if self.row_mapping is None or num_reqs == 0:
             return
-        self.shard_mapping_np[idx_mapping_np] = shard_owners(num_reqs, self._num_shards)
-        if _run_triton(idx_mapping):
+        self.shard_mapping_np[slots_np] = shard_owners(num_reqs, self._num_shards)
+        if _run_triton(slots):
             _assign_rows_kernel[(triton.cdiv(num_reqs, _BLOCK_SIZE),)](
-                idx_mapping,
+                slots,
                 self.shard_mapping,
                 self.row_mapping,
                 self.inverse_row_mapping,
@@ -255,11 +255,11 @@ class DraftLogitsCache:
             )
         else:
             _assign_rows_torch(
-                idx_mapping, self.shard_mapping, self.row_mapping, self.inverse_row_mapping,
+                slots, self.shard_mapping, self.row_mapping, self.inverse_row_mapping,
                 self._num_shards, self._shard_idx,
             )
 
-    def owners_of(self, idx_mapping_np: np.ndarray) -> tuple[np.ndarray, torch.Tensor | None]:
+    def owners_of(self, slots_np: np.ndarray) -> tuple[np.ndarray, torch.Tensor | None]:
         """The TP rank that verifies each of a batch's requests: the rank that cached its draft
         logits, or for a replicated cache, round-robin over batch positions.
 
@@ -267,38 +267,38 @@ class DraftLogitsCache:
         for a replicated cache).
         """
         if self.row_mapping is None:
-            return shard_owners(idx_mapping_np.shape[0], get_tp_group().world_size), None
-        return self.shard_mapping_np[idx_mapping_np], self.shard_mapping
+            return shard_owners(slots_np.shape[0], get_tp_group().world_size), None
+        return self.shard_mapping_np[slots_np], self.shard_mapping
 
     def stale_drafts(self, input_batch) -> torch.Tensor | None:
         """Mark the drafts whose draft logits were overwritten since drafting; only valid for
         requests this rank owns.
 
-        Logits row j belongs to slot expanded_idx_mapping[j] at local position
+        Logits position j belongs to slot expanded_slots[j] at local position
         expanded_local_pos[j]. It is stale iff it reads cached logits (0 <= local_pos < num_steps;
-        rows past the drafted steps read none and are never stale) and the slot has no row here
+        positions past the drafted steps read none and are never stale) and the slot has no row here
         (row_mapping == -1) or inverse_row_mapping[row] != slot (another request took the row
-        since). A request's bonus row may be flagged too; it verifies no draft, so the flag is moot.
+        since). A request's bonus position may be flagged too; it verifies no draft, so the flag is moot.
 
-        ``input_batch`` needs int32 tensors ``expanded_idx_mapping`` and ``expanded_local_pos``.
+        ``input_batch`` needs int32 tensors ``expanded_slots`` and ``expanded_local_pos``.
         Returns [num_logits] bool, or None for a replicated cache, whose rows are never reused.
         """
         if self.row_mapping is None:
             return None
-        expanded_idx_mapping = input_batch.expanded_idx_mapping
+        expanded_slots = input_batch.expanded_slots
         expanded_local_pos = input_batch.expanded_local_pos
-        num_logits = expanded_idx_mapping.shape[0]
-        if not _run_triton(expanded_idx_mapping):
+        num_logits = expanded_slots.shape[0]
+        if not _run_triton(expanded_slots):
             return _stale_drafts_torch(
-                expanded_idx_mapping, expanded_local_pos, self.row_mapping, self.inverse_row_mapping,
+                expanded_slots, expanded_local_pos, self.row_mapping, self.inverse_row_mapping,
                 self.num_steps,
             )
-        stale = expanded_idx_mapping.new_empty(num_logits, dtype=torch.bool)  # [num_logits]
+        stale = expanded_slots.new_empty(num_logits, dtype=torch.bool)  # [num_logits]
         if num_logits == 0:
             return stale
         _stale_drafts_kernel[(triton.cdiv(num_logits, _BLOCK_SIZE),)](
             stale,
-            expanded_idx_mapping,
+            expanded_slots,
             expanded_local_pos,
             self.row_mapping,
             self.inverse_row_mapping,

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from minispec.engine.request import Request
 from minispec.spec_decode.draft_logits import DraftLogitsCache
+from minispec.spec_decode.proposer import Drafting
 
 
 def ngram_drafts(histories: Sequence[Sequence[int]], k: int, min_n: int = 1, max_n: int = 3) -> np.ndarray:
@@ -75,7 +75,7 @@ class NgramProposer:
         self.max_n = max_n
         self.device = torch.device(device) if device is not None else None  # None: the cache's device
 
-    def propose(self, reqs: list[Request], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
+    def propose(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
         """Drafts [num_reqs, k] int64 (-1 = none); writes their one-hot logits to this rank's rows.
 
         Deterministic in the requests' tokens, so every TP rank proposes the same drafts. Leaves
@@ -88,5 +88,5 @@ class NgramProposer:
         cache.write_one_hot(cache.rows_of(slots).long(), torch.from_numpy(drafts).to(device))
         return drafts
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Drafting) -> None:
         """Nothing to free: the proposer keeps no per-request state."""

@@ -6,12 +6,22 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from minispec.distributed import get_tp_group, rows_from_owners, rows_to_owners
-from minispec.engine.model_runner import ModelRunner
-from minispec.engine.request import Request
-from minispec.sample.random import uniforms
-from minispec.sample.sampler import probs_from_logits
+from minispec.distributed import get_tp_group, from_owners, to_owners
+from minispec.runner.model_runner import ModelRunner
+from minispec.sample.random import RequestRandom, uniforms
+from minispec.sample.sampler import BatchSampling, probs_from_logits, sample_inverse_cdf
+from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.draft_logits import DraftLogitsCache
+
+
+class Drafting(Protocol):
+    """What a proposer reads and writes of a request (engine/request.py's Request is one)."""
+
+    slot: int  # the request's persistent index (KV caches, draft-logits cache)
+    token_ids: list[int]  # prompt + output
+    params: SamplingParams
+    random: RequestRandom
+    num_draft_computed: int  # tokens whose K/V are in the draft cache
 
 
 class Proposer(Protocol):
@@ -20,29 +30,10 @@ class Proposer(Protocol):
 
     k: int
 
-    def propose(self, reqs: list[Request], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
+    def propose(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
         """[num_reqs, num_steps] drafts (num_steps defaults to k)."""
 
-    def free(self, req: Request) -> None: ...
-
-
-class BatchSampling:
-    """The batch's sampling settings as device tensors, built once per step."""
-
-    __slots__ = ("temperature", "top_k", "top_p", "greedy")
-
-    def __init__(self, reqs: list[Request], device: torch.device):
-        self.temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=device)
-        self.top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64, device=device)
-        self.top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=device)
-        self.greedy = all(r.params.greedy for r in reqs)
-
-
-def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Exact draw from each row of probs with one uniform per row: first token whose CDF exceeds u."""
-    cdf = probs.cumsum(dim=-1)  # [N, V]
-    tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    return tok.clamp_(max=probs.shape[-1] - 1)
+    def free(self, req: Drafting) -> None: ...
 
 
 class DraftModelProposer:
@@ -52,7 +43,7 @@ class DraftModelProposer:
         self.runner = runner
         self.k = k
 
-    def propose(self, reqs: list[Request], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
+    def propose(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
         """num_steps (default k) batched draft forwards. Under TP each draft step's logits go to the request's owner
         (all-to-all), which caches them and samples the draft token; the tokens are then shared."""
         tp = get_tp_group()
@@ -65,7 +56,7 @@ class DraftModelProposer:
         mine = owners == tp.rank_in_group  # [num_reqs]
         my_reqs = [r for r, m in zip(reqs, mine) if m]
         rows = cache.rows_of(torch.from_numpy(slots[mine]).long().to(device)).long()  # [num_mine]
-        sampling = BatchSampling(my_reqs, device)
+        sampling = BatchSampling([r.params for r in my_reqs], device)
         # Sampled requests draw k uniforms each per proposal, whatever the batch; greedy ones none.
         u = torch.zeros(len(reqs), self.k)  # [num_reqs, k]
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -79,7 +70,7 @@ class DraftModelProposer:
         queries = [r.token_ids[r.num_draft_computed :] for r in reqs]
         for j in range(num_steps):
             logits = self.runner.forward([r.slot for r in reqs], starts, queries, [1] * len(reqs), gather=not sharded)
-            logits = rows_to_owners(tp, logits, owners)[:, :vocab] if sharded else logits  # [num_mine, V]
+            logits = to_owners(tp, logits, owners)[:, :vocab] if sharded else logits  # [num_mine, V]
             cache.write(rows, j, logits)
             if sampling.greedy:
                 tok = logits.argmax(dim=-1)
@@ -87,7 +78,7 @@ class DraftModelProposer:
                 probs = probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
                 tok = sample_inverse_cdf(probs, u_mine[:, j])
             if sharded:
-                tok = rows_from_owners(tp, tok, owners)
+                tok = from_owners(tp, tok, owners)
             drafts[:, j] = tok.cpu().numpy()
             starts = [s + len(q) for s, q in zip(starts, queries)]
             queries = [[int(t)] for t in drafts[:, j]]
@@ -96,5 +87,5 @@ class DraftModelProposer:
             r.num_draft_computed = len(r.token_ids) + num_steps - 1
         return drafts
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Drafting) -> None:
         req.num_draft_computed = 0

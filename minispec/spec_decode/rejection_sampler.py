@@ -1,11 +1,11 @@
 """Lossless rejection sampling of draft tokens against the target (Triton kernel + torch reference).
 
-Request r owns logit rows cu[r]:cu[r+1]: one row per draft (row j verifies draft_tokens[j]) and a
-last bonus row. p / q are the target / draft probabilities after the request's temperature, top-k
+Request r owns logits positions cu[r]:cu[r+1] (indices into the [num_logits, V] tensors): one per draft
+(position j verifies draft_tokens[j]) and a last bonus position. p / q are the target / draft probabilities after the request's temperature, top-k
 and top-p (greedy: one-hot argmax). Draft i is accepted iff it is valid (not stale, in [0, V)) and
 u_i * q_i[d] < p_i[d], i.e. with probability min(1, p_i[d] / q_i[d]). The first rejected draft is
 replaced by a draw from norm(max(0, p_i - q_i)), or from p_i when the draft was invalid or the
-residual has no mass; if every draft is accepted, a bonus token is drawn from the last row's p.
+residual has no mass; if every draft is accepted, a bonus token is drawn from the last position's p.
 Draws use the exponential race argmax(dist / noise), so the residual is never normalised.
 """
 from __future__ import annotations
@@ -20,15 +20,15 @@ triton, tl = load_triton()
 
 
 def _probs(target_logits, draft_logits, cu_num_logits, temperature, top_k, top_p):
-    """Per-row target and draft probabilities [num_logits, V] under each row's request settings."""
+    """Target and draft probabilities [num_logits, V] at every logits position, under its request's settings."""
     num_logits = target_logits.shape[0]
-    num_rows = cu_num_logits[1:] - cu_num_logits[:-1]  # [num_reqs]
-    t, k, p = (torch.repeat_interleave(x, num_rows, output_size=num_logits) for x in (temperature, top_k, top_p))
+    num_pos = cu_num_logits[1:] - cu_num_logits[:-1]  # [num_reqs] logits positions per request
+    t, k, p = (torch.repeat_interleave(x, num_pos, output_size=num_logits) for x in (temperature, top_k, top_p))
     return probs_from_logits(target_logits, t, k, p), probs_from_logits(draft_logits, t, k, p)
 
 
 def _valid_drafts(draft_tokens, stale, cu_num_logits, vocab):
-    """[num_logits] bool: rows holding a verifiable draft (not bonus, not stale, id in [0, V))."""
+    """[num_logits] bool: logits positions holding a verifiable draft (not bonus, not stale, id in [0, V))."""
     num_logits = draft_tokens.shape[0]
     bonus = torch.zeros(num_logits + 1, dtype=torch.bool, device=draft_tokens.device)
     bonus[cu_num_logits[1:] - 1] = True
@@ -43,21 +43,21 @@ def rejection_sample_ref(p, q, draft_tokens, stale, cu_num_logits, uniforms, noi
     num_logits, vocab = p.shape
     num_reqs, max_drafts = uniforms.shape
     device = p.device
-    num_rows = cu_num_logits[1:] - cu_num_logits[:-1]  # [num_reqs]
+    num_pos = cu_num_logits[1:] - cu_num_logits[:-1]  # [num_reqs] logits positions per request
     valid = _valid_drafts(draft_tokens, stale, cu_num_logits, vocab)  # [num_logits]
     pos = torch.arange(max_drafts + 1, device=device)
-    rows = (cu_num_logits[:-1].unsqueeze(1) + pos).clamp(max=max(num_logits - 1, 0))  # [num_reqs, K + 1]
-    is_draft = pos < (num_rows - 1).unsqueeze(1)  # [num_reqs, K + 1]
-    ok = valid[rows] & is_draft
-    d = torch.where(ok, draft_tokens[rows], 0)  # [num_reqs, K + 1]
-    pd, qd = p[rows, d], q[rows, d]
+    lpos = (cu_num_logits[:-1].unsqueeze(1) + pos).clamp(max=max(num_logits - 1, 0))  # [num_reqs, K + 1]
+    is_draft = pos < (num_pos - 1).unsqueeze(1)  # [num_reqs, K + 1]
+    ok = valid[lpos] & is_draft
+    d = torch.where(ok, draft_tokens[lpos], 0)  # [num_reqs, K + 1]
+    pd, qd = p[lpos, d], q[lpos, d]
     u = torch.cat([uniforms.float(), uniforms.new_ones(num_reqs, 1, dtype=torch.float32)], dim=1)
     accepted = ok & (u * qd < pd)  # [num_reqs, K + 1]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [num_reqs]
-    final_row = cu_num_logits[:-1] + num_accepted  # [num_reqs]
+    final_pos = cu_num_logits[:-1] + num_accepted  # [num_reqs] logits position of the drawn token
     final_ok = ok.gather(1, num_accepted.unsqueeze(1))  # [num_reqs, 1]
-    pf = p[final_row]  # [num_reqs, V]
-    resid = torch.where(final_ok, (pf - q[final_row]).clamp_min(0), 0.0)
+    pf = p[final_pos]  # [num_reqs, V]
+    resid = torch.where(final_ok, (pf - q[final_pos]).clamp_min(0), 0.0)
     dist = torch.where((resid > 0).any(dim=1, keepdim=True), resid, pf)
     final = sample(dist, noise.float())  # [num_reqs]
     tokens = torch.where(pos < num_accepted.unsqueeze(1), d, -1)  # [num_reqs, K + 1]
@@ -94,7 +94,7 @@ def _rejection_sample_kernel(
         num_accepted += (live & acc).to(tl.int64)
         final_ok = tl.where(live & ~acc, ok.to(tl.int32), final_ok)
         rejected = tl.where(acc, rejected, 1)
-    row = start + num_accepted
+    final_pos = start + num_accepted
     best_r = tl.full([], -1.0, tl.float32)
     best_p = tl.full([], -1.0, tl.float32)
     idx_r = tl.zeros([], dtype=tl.int32)
@@ -103,8 +103,8 @@ def _rejection_sample_kernel(
     for off in range(0, V, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         m = cols < V
-        pv = tl.load(p_ptr + row * V + cols, mask=m, other=0.0)
-        qv = tl.load(q_ptr + row * V + cols, mask=m, other=0.0)
+        pv = tl.load(p_ptr + final_pos * V + cols, mask=m, other=0.0)
+        qv = tl.load(q_ptr + final_pos * V + cols, mask=m, other=0.0)
         rv = tl.where(final_ok != 0, tl.maximum(pv - qv, 0.0), 0.0)
         nz = tl.load(noise_ptr + r * V + cols, mask=m, other=1.0)
         nz = tl.minimum(tl.maximum(nz, noise_min), noise_max)
@@ -147,7 +147,7 @@ def greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, max_drafts:
     """The all-greedy case of rejection_sample without building p and q: accept a draft iff it is
     valid and equals the target's argmax; emit the argmax at the first rejection (or as the bonus).
 
-    Same tokens as the general path with one-hot p and q, at the cost of one argmax per row.
+    Same tokens as the general path with one-hot p and q, at the cost of one argmax per logits position.
     """
     num_logits, vocab = target_logits.shape
     device = target_logits.device
@@ -155,11 +155,11 @@ def greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, max_drafts:
     argmax = _sanitize(target_logits).argmax(dim=-1)  # [num_logits]
     valid = _valid_drafts(draft_tokens, stale, cu_num_logits, vocab)  # [num_logits]
     pos = torch.arange(max_drafts + 1, device=device)
-    rows = (cu_num_logits[:-1].unsqueeze(1) + pos).clamp(max=max(num_logits - 1, 0))  # [num_reqs, K + 1]
+    lpos = (cu_num_logits[:-1].unsqueeze(1) + pos).clamp(max=max(num_logits - 1, 0))  # [num_reqs, K + 1]
     is_draft = pos < (cu_num_logits[1:] - cu_num_logits[:-1] - 1).unsqueeze(1)  # [num_reqs, K + 1]
-    accepted = is_draft & valid[rows] & (draft_tokens[rows] == argmax[rows])  # [num_reqs, K + 1]
+    accepted = is_draft & valid[lpos] & (draft_tokens[lpos] == argmax[lpos])  # [num_reqs, K + 1]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [num_reqs]
-    tokens = torch.where(pos < num_accepted.unsqueeze(1), argmax[rows], -1)  # [num_reqs, K + 1]
+    tokens = torch.where(pos < num_accepted.unsqueeze(1), argmax[lpos], -1)  # [num_reqs, K + 1]
     tokens.scatter_(1, num_accepted.unsqueeze(1), argmax[cu_num_logits[:-1] + num_accepted].unsqueeze(1))
     return tokens[:num_reqs], num_accepted + 1
 
@@ -180,7 +180,7 @@ def rejection_sample(
 ):
     """Verify drafts: tokens [num_reqs, K + 1] (accepted drafts then one drawn token, -1 padded), num_sampled [num_reqs].
 
-    K = uniforms.shape[1] must be at least every request's number of drafts (rows - 1).
+    K = uniforms.shape[1] must be at least every request's number of drafts (logits positions - 1).
     With return_probs, also the target and draft probabilities p, q [num_logits, V] it used.
     """
     if use_triton is None:

@@ -31,7 +31,8 @@ from minispec.spec_decode.adaptive import expected_tokens, predicted_speedup
 __all__ = ["aggregate", "alpha_mle", "expected_tokens", "first_position_rate", "per_token_agreement",
            "predicted_speedup", "tau_from_agreement"]
 
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_stale_drafts")
+COUNTERS = ("num_spec_verifications", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
+            "num_stale_drafts")
 
 
 def aggregate(outputs) -> dict:
@@ -54,7 +55,8 @@ def aggregate(outputs) -> dict:
 
 def first_position_rate(m: dict) -> float:
     """Verifications whose first draft was accepted / verifications with drafts (0 without any)."""
-    return m["accepted_per_position"][0] / m["num_drafts"] if m["num_drafts"] and m["accepted_per_position"] else 0.0
+    n = m["num_spec_verifications"]
+    return m["accepted_per_position"][0] / n if n and m["accepted_per_position"] else 0.0
 
 
 def alpha_mle(m: dict) -> float:
@@ -67,7 +69,7 @@ def alpha_mle(m: dict) -> float:
     k = len(m["accepted_per_position"])
     accepted = m["num_accepted_tokens"]
     all_k = m["accepted_per_position"][k - 1] if k else 0
-    steps = max(m["num_drafts"], m["num_tokens"] - m["num_requests"] - accepted)
+    steps = max(m["num_spec_verifications"], m["num_tokens"] - m["num_requests"] - accepted)
     trials = accepted + steps - all_k
     return accepted / trials if trials > 0 else 0.0
 

@@ -124,7 +124,7 @@ def run_rank(
         batch = InputBatch.build([str(r) for r in step.req_ids], slots_np, num_logits, device)
 
         # Verification: owners and stale drafts.
-        owners, owner_table = cache.owners_of(batch.idx_mapping_np)
+        owners, owner_table = cache.owners_of(batch.slots_np)
         want_owners = [oracle.owner(s) for s in step.slots]
         check(owners.tolist() == want_owners, f"step {t}: owners {owners.tolist()} != {want_owners}")
         check(owner_table.cpu().tolist() == cache.shard_mapping_np.tolist(), f"step {t}: device/host owners")
@@ -136,7 +136,7 @@ def run_rank(
             finally:
                 draft_logits.FORCE_TRITON = False
             check(torch.equal(stale, twin_stale), f"step {t}: triton stale {twin_stale.tolist()} != {stale.tolist()}")
-        rows = cache.rows_of(batch.idx_mapping).cpu().tolist()
+        rows = cache.rows_of(batch.slots).cpu().tolist()
         for i, (req_id, slot) in enumerate(zip(step.req_ids, step.slots)):
             if owners[i] != rank:
                 continue
@@ -151,11 +151,11 @@ def run_rank(
                 check(value == marker.get(req_id), f"step {t}: slot {slot} row {rows[i]} holds {value}")
 
         # Draft step: give rows out by batch position, then write the draft logits.
-        cache.assign(batch.idx_mapping, batch.idx_mapping_np)
+        cache.assign(batch.slots, batch.slots_np)
         if twin is not None:
             draft_logits.FORCE_TRITON = True
             try:
-                twin.assign(batch.idx_mapping, batch.idx_mapping_np)
+                twin.assign(batch.slots, batch.slots_np)
             finally:
                 draft_logits.FORCE_TRITON = False
             for name in ("row_mapping", "inverse_row_mapping", "shard_mapping"):
@@ -163,10 +163,10 @@ def run_rank(
                 check(torch.equal(a, b), f"step {t}: triton {name} {b.tolist()} != {a.tolist()}")
             check(np.array_equal(cache.shard_mapping_np, twin.shard_mapping_np), f"step {t}: shard_mapping_np")
         oracle.draft(step.slots)
-        owners, _ = cache.owners_of(batch.idx_mapping_np)
+        owners, _ = cache.owners_of(batch.slots_np)
         positions = np.arange(len(step.slots))
         check(np.array_equal(owners, positions % tp), f"step {t}: drafted owners {owners.tolist()}")
-        rows = cache.rows_of(batch.idx_mapping).cpu().tolist()
+        rows = cache.rows_of(batch.slots).cpu().tolist()
         want_rows = [int(p // tp) if p % tp == rank else -1 for p in positions]
         check(rows == want_rows, f"step {t}: drafted rows {rows} != {want_rows}")
         for i, req_id in enumerate(step.req_ids):

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from minispec.distributed import TPGroup, init_distributed
-from minispec.engine.kv_cache import KVCache
+from minispec.runner.kv_cache import KVCache
 from minispec.layers.attention import ForwardBatch
 from minispec.models.loader import load_model
 

@@ -1,4 +1,4 @@
-"""The paged-free KV cache: one contiguous row of positions per request slot."""
+"""The paged-free KV cache: one contiguous run of positions per request slot."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Runs one model over a step's queries: builds the padded batch, the forward, and the logits rows."""
+"""Runs one model over a step's queries: builds the padded batch, the forward, and the logits."""
 from __future__ import annotations
 
 import time
@@ -6,7 +6,7 @@ import time
 import numpy as np
 import torch
 
-from minispec.engine.kv_cache import KVCache
+from minispec.runner.kv_cache import KVCache
 from minispec.layers.attention import ForwardBatch
 
 
@@ -51,19 +51,19 @@ class ModelRunner:
         groups = [sorted(g, key=slots.__getitem__) for g in length_groups([len(q) for q in queries])]
         if len(groups) <= 1:
             return self._forward(slots, starts, queries, num_logits, gather, groups[0] if groups else None)
-        parts, rows = [], []
+        parts, at = [], []  # each group's logits, and where they go in the output
         offsets = np.cumsum([0] + list(num_logits))
         for g in groups:
             parts.append(self._forward([slots[i] for i in g], [starts[i] for i in g], [queries[i] for i in g],
                                        [num_logits[i] for i in g], gather))
-            rows += [np.arange(offsets[i], offsets[i + 1]) for i in g]
+            at += [np.arange(offsets[i], offsets[i + 1]) for i in g]
         out = torch.empty(int(offsets[-1]), parts[0].shape[-1], dtype=parts[0].dtype, device=parts[0].device)
-        out[torch.from_numpy(np.concatenate(rows)).to(out.device)] = torch.cat(parts)
+        out[torch.from_numpy(np.concatenate(at)).to(out.device)] = torch.cat(parts)
         return out
 
     def _forward(self, slots, starts, queries, num_logits, gather: bool, order: list[int] | None = None
                  ) -> torch.Tensor:
-        """One padded forward over all the given requests (see forward); batch row j holds request order[j]
+        """One padded forward over all the given requests (see forward); batch index j holds request order[j]
         (default: request j), the logits come out in request order."""
         n = len(queries)
         order = list(range(n)) if order is None else order
@@ -75,14 +75,14 @@ class ModelRunner:
         hidden = self.model(batch, self.kv)  # [B, L, hidden]
         B, L, H = hidden.shape
         if order == list(range(n)) and all(k == L for k in num_logits) and all(m == L for m in lens):
-            rows = hidden.view(B * L, H)  # every token's row, already in request order
-        else:  # rows of each request's last num_logits tokens, in request order
-            batch_row = np.empty(n, dtype=np.int64)  # [n] batch row of each request
-            batch_row[order] = np.arange(n)
-            b_idx = np.repeat(batch_row, num_logits)
+            states = hidden.view(B * L, H)  # every token's hidden state, already in request order
+        else:  # the hidden states of each request's last num_logits tokens, in request order
+            batch_idx = np.empty(n, dtype=np.int64)  # [n] batch index of each request
+            batch_idx[order] = np.arange(n)
+            b_idx = np.repeat(batch_idx, num_logits)
             t_idx = np.concatenate([np.arange(m - k, m) for m, k in zip(lens, num_logits)]) if b_idx.size else b_idx
-            rows = hidden.view(B * L, H).index_select(0, torch.from_numpy(b_idx * L + t_idx).to(self.device))
-        return self.model.compute_logits(rows, gather=gather)
+            states = hidden.view(B * L, H).index_select(0, torch.from_numpy(b_idx * L + t_idx).to(self.device))
+        return self.model.compute_logits(states, gather=gather)
 
 
 def length_groups(lens: list[int], max_waste: int = 256) -> list[list[int]]:
