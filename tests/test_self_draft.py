@@ -183,3 +183,17 @@ def test_playground_sweeps_self_drafts(target_dir, tmp_path):
     assert sweep.drafts["self-int4"].model.layers[0].down_proj.weight.qtype == int(T.Q4_1)
     last = sweep.target.model.layers[-1].down_proj.weight
     assert sweep.drafts["self:1"].model.layers[0].down_proj.weight is last  # shared, not copied
+
+
+def test_self_draft_of_a_target_that_already_ran(target_dir):
+    """A draft derived after the target's forwards runs its own weights, not the target's cached decode_layers
+    arguments (tools hand LLM loaded targets that other engines have run)."""
+    from minispec.models.quantize import self_draft
+
+    base = LLM(target_dir, None)
+    greedy(base)  # builds the target's decode_layers arguments (where the C++ path applies)
+    draft = self_draft(base.target, "self-int4:2").model
+    layers = draft.cpu_layers()
+    if layers is not None:
+        assert len(layers[0]) == 2 * 4 and all(q == int(T.Q4_1) for q in layers[1])
+    assert greedy(LLM(base.target, "self-int4:2", num_speculative_tokens=3)) == greedy(base)

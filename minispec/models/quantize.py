@@ -24,6 +24,7 @@ from torch import nn
 
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from minispec.layers.quant import GROUP, QUANTIZATIONS, PackedWeight, quantize
+from minispec.models.llama import LlamaForCausalLM
 from minispec.models.loader import LoadedModel
 
 SELF_DRAFT = re.compile(r"self(?:-(?P<quant>[a-z0-9]+))?(?::(?P<layers>\d+))?")
@@ -41,7 +42,7 @@ def has_packed(model: nn.Module) -> bool:
     return any(isinstance(w, PackedWeight) for m in model.modules() for w in vars(m).values())
 
 
-def quantize_model(model: nn.Module, quantization: str) -> int:
+def quantize_model(model: LlamaForCausalLM, quantization: str) -> int:
     """Quantise the model's dense linear and embedding weights in place; returns how many it quantised."""
     check_quantization(quantization)
     linear_type, embedding_type = QUANTIZATIONS[quantization]
@@ -54,8 +55,9 @@ def quantize_model(model: nn.Module, quantization: str) -> int:
             continue
         qtype = embedding_type if isinstance(m, VocabParallelEmbedding) else linear_type
         del m.weight  # a Parameter; the packed weight is a plain attribute
-        m.weight = quantize(w.data, qtype).to(w.device)
+        m.weight = quantize(w.data, qtype)
         count += 1
+    model.weights_changed()
     return count
 
 
@@ -99,6 +101,7 @@ def self_draft(target: LoadedModel, spec: str) -> LoadedModel:
     model = target.model
     quant, layers = parse_self_draft(spec, model.num_layers)
     draft = shallow_copy(model)
+    draft.weights_changed()  # the copy may hold the target's decode_layers arguments, built before
     if layers is not None and layers < model.num_layers:
         draft.layers = nn.ModuleList([draft.layers[i] for i in kept_layers(model.num_layers, layers)])
         draft.num_layers = layers
