@@ -27,8 +27,9 @@ from minispec.utils import parse_dtype
 # The defaults: LLM(), the CLI, serve and `make demo` run DEFAULT_TARGET (packed, exact) with the proposer
 # DRAFT_FOR_TARGET names for it, under adaptive k. Chosen by measurement (docs/experiments.md, "Defaults for the
 # embedded model"): the shipped draft quantised to Q8_0 at load costs c = 0.12 of the packed target against 0.42
-# for its float32 weights, at the same acceptance. At batch 1 with the packed kernel of that run, target-only was
-# faster than every proposer (a 5-token verification cost 2.0 one-token forwards): (None, None) is target-only.
+# for its float32 weights, at the same acceptance; with main's kernels of 1 Dec (verify ratio 1.35) it ran at 1.25x
+# the packed target-only at batch 1 (with the issue-16 kernel, verify ratio 2.0, nothing paid). (None, None):
+# target-only.
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target, else none
 # target alias -> (draft: a model spec, "ngram", a self-draft or None; the draft's quantisation or None)
