@@ -28,6 +28,7 @@ import torch
 
 from minispec.data import load_prompts
 from minispec.llm import DEFAULT_TARGET, param_bytes
+from minispec.models.quantize import check_quantization, is_self_draft
 from minispec.spec_decode.costs import measure_costs
 from minispec.tools.config import load_settings
 from minispec.tools.metrics import aggregate, predicted_speedup
@@ -42,7 +43,8 @@ class BenchConfig:
     """What to run: a small run by default (configs/bench-smollm2.toml is the full one)."""
 
     target: str = DEFAULT_TARGET
-    drafts: list[str] = field(default_factory=lambda: [NGRAM])  # model specs and/or "ngram"
+    drafts: list[str] = field(default_factory=lambda: [NGRAM])  # model specs, "ngram" and / or self-drafts ("self-int4")
+    quantizations: list[str] = field(default_factory=list)  # "int8" / "int4": target-only rows of the target quantised at load
     k: int = 4
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.8])
@@ -75,6 +77,8 @@ def check_config(cfg: BenchConfig) -> None:
         raise ValueError(f"batch_sizes must be positive integers, got {cfg.batch_sizes}")
     if not cfg.temperatures or min(cfg.temperatures) < 0:
         raise ValueError(f"temperatures must be >= 0, got {cfg.temperatures}")
+    for q in cfg.quantizations + [q for _, q in map(split_draft, cfg.drafts) if q is not None]:
+        check_quantization(q)
     for name in ("k", "max_tokens", "num_prompts", "rounds", "cost_reps", "bandwidth_mib"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
@@ -104,12 +108,25 @@ def batches_of(prompts: list[list[int]], batch_size: int) -> list[list[tuple[int
     return [items[j : j + batch_size] for j in range(0, n, batch_size)]
 
 
+def split_draft(draft: str) -> tuple[str, str | None]:
+    """A bench draft entry -> (model spec, quantisation or None): "SPEC@int8" is SPEC quantised at load."""
+    spec, _, quantization = draft.rpartition("@") if "@" in draft else (draft, "", None)
+    return spec, quantization
+
+
+def minispec_only(draft: str) -> bool:
+    """A draft transformers cannot run as an assistant: a self-draft or a draft quantised at load."""
+    return is_self_draft(draft) or split_draft(draft)[1] is not None
+
+
 def draft_label(draft: str | None) -> str:
     if draft is None:
         return "-"
     if draft == NGRAM:
         return NGRAM
-    return os.path.basename(os.path.normpath(draft)) or draft
+    spec, quantization = split_draft(draft)
+    label = os.path.basename(os.path.normpath(spec)) or spec
+    return label if quantization is None else f"{label}@{quantization}"
 
 
 # ---- timing --------------------------------------------------------------------------------
@@ -211,6 +228,8 @@ def build_rows(cfg: BenchConfig, hf_target, hf_drafts: dict, llms: dict, pad_id:
         for t in cfg.temperatures:
             rows.append(Row("transformers", "target-only", None, b, t, hf_runner(hf_target, pad_id, cfg, t)))
             for d in cfg.drafts:
+                if minispec_only(d):  # transformers has no self-draft, no quantised draft
+                    continue
                 if d == NGRAM:
                     method, extra = "prompt-lookup", dict(prompt_lookup_num_tokens=cfg.k,
                                                           max_matching_ngram_size=NGRAM_N[1])
@@ -221,6 +240,8 @@ def build_rows(cfg: BenchConfig, hf_target, hf_drafts: dict, llms: dict, pad_id:
     for b in cfg.batch_sizes:
         for t in cfg.temperatures:
             rows.append(Row("minispec", "target-only", None, b, t, minispec_runner(llms[None], cfg, t)))
+            for q in cfg.quantizations:
+                rows.append(Row("minispec", f"target-only {q}", None, b, t, minispec_runner(llms[q], cfg, t)))
             for d in cfg.drafts:
                 rows.append(Row("minispec", "speculative", d, b, t, minispec_runner(llms[d], cfg, t)))
             for d, llm in (adaptive_llms or {}).items():
@@ -249,6 +270,18 @@ def stream_rate(tok_s: float | None, weight_bytes: int | None, batch_size: int, 
         return dict(gb_s=None, roofline_share=None)
     gb_s = tok_s * weight_bytes / batch_size / 1e9
     return dict(gb_s=gb_s, roofline_share=gb_s / bandwidth_gb_s)
+
+
+def greedy_agreement(outputs: list, reference: list, num_prompts: int) -> dict:
+    """Greedy tokens of one row against a reference row (the first round's num_prompts outputs): per prompt the
+    first position where they part (-1: none), and the tokens before it."""
+    first = []
+    for o, ref in zip(outputs[:num_prompts], reference[:num_prompts]):
+        a, b = o.token_ids, ref.token_ids
+        first.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), -1 if len(a) == len(b) else min(len(a), len(b))))
+    agreeing = sum(len(o.token_ids) if f < 0 else f for o, f in zip(outputs, first))
+    return dict(first_divergence=first, tokens_agreeing=agreeing,
+                tokens=sum(len(o.token_ids) for o in outputs[:num_prompts]))
 
 
 # ---- the run --------------------------------------------------------------------------------
@@ -284,10 +317,13 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     device = llms[None].device
     hf_target = hf_target.to(device)
     for d in cfg.drafts:
-        llms[d] = LLM(cfg.target, d, ngram_n=NGRAM_N, **common)
+        spec, quantization = split_draft(d)
+        llms[d] = LLM(cfg.target, spec, ngram_n=NGRAM_N, draft_quantization=quantization, **common)
+    for q in cfg.quantizations:
+        llms[q] = LLM(cfg.target, None, quantization=q, **common)
     hf_drafts = {}
     for d in cfg.drafts:
-        if d != NGRAM:
+        if d != NGRAM and not minispec_only(d):
             model, _ = load_hf(d, dtype, device)
             # Fixed k drafts per step, like minispec: no heuristic schedule, no early stop on confidence.
             model.generation_config.num_assistant_tokens = cfg.k
@@ -371,6 +407,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                if r.system == "transformers" and r.method == "target-only"}
     ms_base = {(r.batch_size, r.temperature): tok_s[id(r)] for r in rows
                if r.system == "minispec" and r.method == "target-only"}
+    ms_base_rows = {(r.batch_size, r.temperature): r for r in rows if r.system == "minispec" and r.method == "target-only"}
     # Weight bytes each system streams per decode step (transformers: its dequantised float32 copy).
     weight_bytes = {"transformers": param_bytes(hf_target), "minispec": param_bytes(llms[None].target.model)}
     out_rows = []
@@ -395,6 +432,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                      engine_efficiency=meas / pred if meas else None,
                      num_spec_verifications=m["num_spec_verifications"], num_draft_tokens=m["num_draft_tokens"], num_accepted_tokens=m["num_accepted_tokens"],
                      accepted_per_position=m["accepted_per_position"])
+        elif r.system == "minispec" and r.method.startswith("target-only ") and r.outputs:  # a quantised target
+            q = r.method.split()[1]
+            d.update(measured_speedup=ts / ms_base[key] if ts and ms_base.get(key) else None,
+                     **stream_rate(ts, param_bytes(llms[q].target.model), r.batch_size, bandwidth))
+            if r.temperature == 0:
+                d["greedy_agreement"] = greedy_agreement(r.outputs, ms_base_rows[key].outputs, len(prompts))
         elif r.system == "minispec" and r.method == "adaptive-k" and r.outputs:
             m = aggregate(r.outputs)
             d.update(acceptance_rate=m["acceptance_rate"], mean_accepted_length=m["mean_accepted_length"],
@@ -522,6 +565,12 @@ def format_table(result: dict) -> str:
     for row in result["rows"]:
         cells = [_cell(row, key, fmt) for _, _, key, fmt in COLUMNS]
         lines.append(" ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w, _, _)) in enumerate(zip(cells, COLUMNS))))
+    for row in result["rows"]:
+        if "greedy_agreement" in row:
+            g = row["greedy_agreement"]
+            lines.append(f"greedy {row['method']} vs target-only, b={row['batch_size']}: {g['tokens_agreeing']} / "
+                         f"{g['tokens']} tokens before the first divergence; first divergence per prompt (-1: none): "
+                         f"{g['first_divergence']}")
     lines += [
         "",
         f"n/a: {HF_BATCH1_NOTE}.",
@@ -534,6 +583,8 @@ def format_table(result: dict) -> str:
         "acceptance (MLE, n-gram misses count as rejections).",
         "pred = (1 - alpha^(k+1)) / (1 - alpha) / (k*c + verify); eff = speedup / pred (1.0: the engine loses nothing "
         "beyond the forwards).",
+        "target-only int8 / int4: the target quantised at load (another model); speedup over the unquantised one. "
+        "self-int8 / self-int4[:N]: the target's own quantised (N-layer) copy as its draft (minispec only).",
         "adaptive-k: the same draft with AdaptiveK: one k in [0, k] per step from the requests' running acceptance, "
         "the draft / verify costs measured at the batch size and the engine's own step overhead (0 = speculation "
         "off where it does not pay).",
@@ -564,7 +615,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smoke test: 8 tokens, 2 prompts, batch 1, one round")
     p.add_argument("--target", default=None, help=f"target model spec (default {DEFAULT_TARGET})")
     p.add_argument("--draft", action="append", default=None,
-                   help="a draft: model spec or 'ngram' (repeatable; replaces the config's drafts; 'none' for none)")
+                   help="a draft: model spec (SPEC@int8 / SPEC@int4: quantised at load), 'ngram' or a self-draft such as "
+                   "self-int4 (repeatable; replaces the config's drafts; 'none' for none)")
+    p.add_argument("--quantization", action="append", default=None, dest="quantizations",
+                   help="add target-only rows of the target quantised at load: int8 or int4 (repeatable)")
     p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None)
     p.add_argument("--batch-sizes", type=_csv(int), default=None, help="e.g. 1,4,16")
     p.add_argument("--temperatures", type=_csv(float), default=None, help="e.g. 0,0.8")
@@ -593,7 +647,7 @@ def config_from_args(args) -> BenchConfig:
     overrides = dict(QUICK) if args.quick else {}
     if args.draft is not None:
         overrides["drafts"] = [d for d in args.draft if d.lower() != "none"]
-    for name in ("target", "k", "batch_sizes", "temperatures", "max_tokens", "num_prompts", "rounds", "seed",
+    for name in ("target", "quantizations", "k", "batch_sizes", "temperatures", "max_tokens", "num_prompts", "rounds", "seed",
                  "dtype", "device", "threads", "chat", "cost_reps", "bandwidth_mib", "adaptive",
                  "llama_bench"):
         if getattr(args, name) is not None:

@@ -15,7 +15,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target model: alias, HF dir, .gguf file or hub id "
                    "(default: smollm2-135m-instruct)")
     p.add_argument("--draft", default=None, help="draft model (same forms as --target), 'ngram' for prompt "
-                   "lookup, or 'none' for target-only (default: the draft shipped for the target, if any)")
+                   "lookup, a self-draft (self-int8, self-int4, self-int4:N, self:N: the target's own quantised "
+                   "and / or N-layer copy), or 'none' for target-only (default: the proposer chosen for the target, "
+                   "if any)")
+    p.add_argument("--quantization", default=None,
+                   help="weight-only quantisation of a float target at load: int8 (Q8_0) or int4 (Q4_1; embedding "
+                        "Q8_0); another model than the float one (a GGUF is already packed: an error)")
+    p.add_argument("--draft-quantization", default=None,
+                   help="the same for a draft model")
     p.add_argument("--ngram-min", type=int, default=1, help="smallest n-gram matched by --draft ngram")
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=None,
                    help="speculation length per step from running acceptance and measured costs; turns "
@@ -107,7 +114,8 @@ def build_llm(args):
                num_speculative_tokens=args.num_speculative_tokens, tensor_parallel_size=args.tp,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len,
-               ngram_n=(args.ngram_min, args.ngram_max), adaptive_k=args.adaptive_k)
+               ngram_n=(args.ngram_min, args.ngram_max), adaptive_k=args.adaptive_k,
+               quantization=args.quantization, draft_quantization=args.draft_quantization)
 
 
 def main(argv: list[str] | None = None) -> int:

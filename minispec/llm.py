@@ -1,6 +1,7 @@
 """The LLM facade: build the engine from model names, generate(), stream(), abort()."""
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from minispec.engine.observer import Observer
 from minispec.engine.request import Request
 from minispec.layers.quant import PackedWeight
 from minispec.models.loader import LoadedModel, load_model
+from minispec.models.quantize import check_quantization, has_packed, is_self_draft, quantize_model, self_draft, \
+    shallow_copy
 from minispec.runner.model_runner import ModelRunner
 from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.adaptive import AdaptiveK
@@ -22,9 +25,18 @@ from minispec.spec_decode.ngram import NgramProposer
 from minispec.spec_decode.proposer import DraftModelProposer
 from minispec.utils import parse_dtype
 
+# The defaults: LLM(), the CLI, serve and `make demo` run DEFAULT_TARGET (packed, exact) with the proposer
+# DRAFT_FOR_TARGET names for it, under adaptive k. Chosen by measurement (docs/experiments.md, "Defaults for the
+# embedded model"): the shipped draft quantised to Q8_0 at load costs c = 0.12 of the packed target against 0.42
+# for its float32 weights, at the same acceptance; with main's kernels of 1 Dec (verify ratio 1.35) it ran at 1.25x
+# the packed target-only at batch 1 (with the issue-16 kernel, verify ratio 2.0, nothing paid). (None, None):
+# target-only.
 DEFAULT_TARGET = "smollm2-135m-instruct"
-DEFAULT_DRAFT = "auto"  # the draft shipped for the target (DRAFT_FOR_TARGET), else none
-DRAFT_FOR_TARGET = {"smollm2-135m-instruct": "smollm2-135m-instruct-draft"}  # target alias -> shipped draft
+DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target, else none
+# target alias -> (draft: a model spec, "ngram", a self-draft or None; the draft's quantisation or None)
+DRAFT_FOR_TARGET: dict[str, tuple[str | None, str | None]] = {
+    "smollm2-135m-instruct": ("smollm2-135m-instruct-draft", "int8"),
+}
 
 
 @dataclass(slots=True)
@@ -48,9 +60,18 @@ class RequestOutput:
         return d
 
 
-def _loaded(model: str | LoadedModel, dtype: torch.dtype, device: torch.device, packed: bool | None) -> LoadedModel:
-    """A model spec loaded onto device, or an already-loaded model as given."""
-    return model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device, packed=packed)
+def _loaded(model: str | LoadedModel, dtype: torch.dtype, device: torch.device, packed: bool | None,
+            quantization: str | None = None) -> LoadedModel:
+    """A model spec loaded onto device, or an already-loaded model as given; quantised (a copy) if asked."""
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device, packed=packed)
+    if quantization is None:
+        return loaded
+    if has_packed(loaded.model):
+        raise ValueError(f"quantization='{quantization}' applies to float checkpoints; {loaded.name} is already "
+                         f"packed (its weights run as stored); load it with packed=False to re-quantise them")
+    quantized = shallow_copy(loaded.model)  # a LoadedModel handed in stays as it was
+    quantize_model(quantized, quantization)
+    return dataclasses.replace(loaded, model=quantized)
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -84,8 +105,8 @@ class LLM:
     target: a model spec (alias, HF directory, .gguf file, hub id) or an already-loaded model
     (models.loader.load_model's LoadedModel, on this LLM's device and in its dtype: tools that build many
     engines over the same weights load them once).
-    draft: "auto" (default: the draft minispec ships for this target, minispec/drafts/, if any, else
-    none), None (target only), "ngram" (prompt lookup with n-gram sizes ngram_n = (min_n, max_n)), or a
+    draft: "auto" (default: the proposer DRAFT_FOR_TARGET names for this target, e.g. the draft minispec ships
+    in minispec/drafts/ quantised to int8, else none), None (target only), "ngram" (prompt lookup with n-gram sizes ngram_n = (min_n, max_n)), or a
     draft model (spec or LoadedModel, in draft_dtype) sharing the target's vocabulary.
     draft_dtype: the draft model's dtype (default: dtype); e.g. "bfloat16" for a float32 target.
     adaptive_k: each step chooses one speculation length for the batch's unseeded requests from their running
@@ -99,6 +120,13 @@ class LLM:
     observer: instrumentation hooks (engine/observer.py: per-step k, timings, beta), e.g. for sweeps.
     packed (GGUF models; None = True): keep the file's 4/8-bit weights packed and compute exactly on them in
     float32 (the float32 model the file describes, at the file's size); False dequantises them to dtype.
+    quantization: "int8" (Q8_0) or "int4" (Q4_1 layers, Q8_0 embedding): weight-only quantisation of a float
+    target at load (models/quantize.py), run by the exact packed kernels; another model than the float one. A
+    GGUF loaded packed is already quantised: ValueError (load it with packed=False to re-quantise).
+    draft_quantization: the same for a draft model ("auto" picks the shipped draft's; see DRAFT_FOR_TARGET).
+    Self-drafts: draft="self-int8" | "self-int4" | "self-int4:N" | "self:N" is the target's own copy with its
+    dense weights quantised and / or only N layers, derived from the loaded target (no second load, the same
+    tokenizer); lossless like any draft.
     """
 
     def __init__(
@@ -118,14 +146,24 @@ class LLM:
         adaptive_k: bool | None = None,
         draft_dtype: str | torch.dtype | None = None,
         packed: bool | None = None,
+        quantization: str | None = None,
+        draft_quantization: str | None = None,
         k_policy=None,
         observer: Observer | None = None,
     ):
         if k_policy is not None and adaptive_k:
             raise ValueError("give adaptive_k=True or a k_policy, not both")
+        for q in (quantization, draft_quantization):
+            if q is not None:
+                check_quantization(q)
         if draft == "auto":
-            draft = DRAFT_FOR_TARGET.get(target.lower()) if isinstance(target, str) else None
+            draft, auto_quantization = DRAFT_FOR_TARGET.get(target.lower(), (None, None)) if isinstance(target, str) \
+                else (None, None)
+            draft_quantization = auto_quantization if draft_quantization is None else draft_quantization
             adaptive_k = k_policy is None if adaptive_k is None else adaptive_k
+        if is_self_draft(draft) and (draft_dtype is not None or draft_quantization is not None):
+            raise ValueError(f"draft='{draft}' runs in the target's dtype and names its own quantisation; "
+                             f"drop draft_dtype / draft_quantization")
         adaptive_k = bool(adaptive_k)
         if draft is not None and not 1 <= num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be in [1, 32], got {num_speculative_tokens}")
@@ -140,13 +178,15 @@ class LLM:
         torch_dtype = parse_dtype(dtype)
         draft_torch_dtype = torch_dtype if draft_dtype is None else parse_dtype(draft_dtype)
         self.device = torch.device(device) if device else tp.device
-        self.target = _loaded(target, torch_dtype, self.device, packed)
+        self.target = _loaded(target, torch_dtype, self.device, packed, quantization)
         self.tokenizer = self.target.tokenizer
         self.draft = None
         k = num_speculative_tokens if draft is not None else 0
         max_len = min(max_model_len or 2048, self.target.max_model_len)
-        if draft is not None and draft != "ngram":
-            self.draft = _loaded(draft, draft_torch_dtype, self.device, packed)
+        if is_self_draft(draft):
+            self.draft = self_draft(self.target, draft)
+        elif draft is not None and draft != "ngram":
+            self.draft = _loaded(draft, draft_torch_dtype, self.device, packed, draft_quantization)
             if self.draft.vocab_size != self.target.vocab_size:
                 raise ValueError(
                     f"draft vocabulary ({self.draft.vocab_size} tokens, {self.draft.name}) differs from the "

@@ -115,7 +115,7 @@ def test_target_as_own_draft_greedy_equals_transformers(hf_outputs):
 
 
 def test_shipped_draft_is_the_default_and_greedy_equals_transformers(hf_outputs):
-    """LLM() with no draft named loads the draft shipped in minispec/drafts/ with adaptive k; output is
+    """LLM() with no draft named loads the draft shipped in minispec/drafts/ (int8) with adaptive k; output is
     still the target's greedy tokens, and the draft agrees with the target often (a guard on its weights)."""
     from safetensors import safe_open
 
@@ -128,6 +128,7 @@ def test_shipped_draft_is_the_default_and_greedy_equals_transformers(hf_outputs)
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     llm = LLM(max_num_seqs=4)
     assert llm.draft.name == "smollm2-135m-instruct-draft" and isinstance(llm.engine.k_policy, AdaptiveK)
+    assert llm.draft.model.layers[0].down_proj.weight.qtype == 8  # quantised to Q8_0 at load (DRAFT_FOR_TARGET)
     outs = llm.generate(PROMPTS, GREEDY, use_chat_template=True)
     check_equal(outs, hf_outputs, "shipped draft, adaptive k")
     llm.engine.k_policy = None  # fixed k = 4: the draft's own acceptance

@@ -8,6 +8,10 @@ F16 / BF16 values. The value of code q is d * (q - 8) (Q4_0), d * q + m (Q4_1) o
 dequantised weight, up to float32 summation order (it computes d * sum(q * x) + m * sum(x) per
 block): the C++ op on CPU (kernels/packed_cpu.cpp, built by kernels/cpu.py), the Triton kernel on GPU
 (kernels/packed_triton.py), and that reference itself where neither is available.
+
+``quantize(w, qtype)`` makes a PackedWeight from a dense weight (Q8_0 or Q4_1, rounded as ggml's reference
+quantiser rounds), for weight-only quantisation of float checkpoints (QUANTIZATIONS: LLM(quantization=...)
+and the self-drafts).
 """
 from __future__ import annotations
 
@@ -28,6 +32,10 @@ PACKED_TYPES: dict[int, tuple[str, int]] = {
 }
 F32 = 0
 BLOCK_TYPES = (2, 3, 8)  # the quantised ones: rows are whole blocks
+Q4_1, Q8_0 = 3, 8
+# Weight-only quantisation of a float checkpoint: name -> (linear layers' type, embedding / LM head type). The
+# embedding stays 8-bit under int4, as llama.cpp's Q4_1 files keep it (it is also the tied LM head).
+QUANTIZATIONS: dict[str, tuple[int, int]] = {"int8": (Q8_0, Q8_0), "int4": (Q4_1, Q8_0)}
 # Rows multiplied at once above which the CPU dequantises the weight and calls F.linear (prefill).
 DENSE_ROWS = 48
 
@@ -115,6 +123,29 @@ def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         return (d * (q - 8)).view(n, k)
     m = blocks[..., 2:4].contiguous().view(torch.float16).float()  # [N, G, 1]
     return (d * q + m).view(n, k)
+
+
+def quantize(w: torch.Tensor, qtype: int) -> PackedWeight:
+    """A dense weight [N, K] (K a multiple of 32) as packed Q8_0 or Q4_1 rows, byte for byte what ggml's reference
+    quantiser (gguf.quants.quantize) makes of its float32 values."""
+    if qtype not in (Q4_1, Q8_0):
+        raise ValueError(f"quantize makes Q8_0 or Q4_1 rows, not {type_name(qtype)}")
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"{type_name(qtype)} rows hold whole blocks of {GROUP}; got {k} values per row")
+    x = w.detach().float().reshape(n, k // GROUP, GROUP)  # [N, G, 32]
+    if qtype == Q8_0:
+        d = x.abs().amax(-1, keepdim=True) / 127  # [N, G, 1]
+        v = x * torch.where(d == 0, 0.0, 1 / d)
+        a = v.abs()
+        q = (v.sign() * (a.floor() + (2 * (a - a.floor())).floor())).to(torch.int8)  # roundf: halves away from 0
+        parts = [d.half().view(torch.uint8), q.view(torch.uint8)]
+    else:
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)  # [N, G, 1]
+        d = (hi - lo) / 15
+        q = ((x - lo) * torch.where(d == 0, 0.0, 1 / d) + 0.5).trunc().clamp(0, 15).to(torch.uint8)  # [N, G, 32]
+        parts = [d.half().view(torch.uint8), lo.half().view(torch.uint8), q[..., :16] | (q[..., 16:] << 4)]
+    return PackedWeight(torch.cat(parts, -1).reshape(n, -1).contiguous(), qtype, k)
 
 
 def linear_ref(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

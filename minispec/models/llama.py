@@ -165,6 +165,10 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(h, residual, meta, kv.k[i], kv.v[i])
         return self.norm.add_forward(h, residual)[0]
 
+    def weights_changed(self) -> None:
+        """Forget what was built from the weights (decode_layers' arguments); call after replacing any."""
+        self._cpu_layers = None
+
     def cpu_layers(self) -> tuple | None:
         """(weights, qtypes, biases, norms) for kernels/cpu_ops.cpp's decode_layers, or None where it does not
         apply: tp > 1, not float32 on CPU, or a weight that is neither packed nor dense float32."""

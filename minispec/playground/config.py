@@ -19,7 +19,8 @@ class PlaygroundConfig:
 
     title: str = "speculative decoding playground"
     target: str = DEFAULT_TARGET  # model spec, or "tiny:seed=0,layers=2,hidden=64" (random, built on the fly)
-    draft: list = field(default_factory=lambda: ["ngram"])  # "ngram", "target" (the target drafting for itself), model specs
+    # "ngram", "target" (the target drafting for itself), self-drafts ("self-int4", "self-int8", "self:20"), model specs
+    draft: list = field(default_factory=lambda: ["ngram"])
     k: list = field(default_factory=lambda: [1, 2, 4])
     temperature: list = field(default_factory=lambda: [0.0])
     top_p: list = field(default_factory=lambda: [1.0])

@@ -19,6 +19,7 @@ from minispec.distributed import init_distributed
 from minispec.engine.observer import Observer, StepRecord
 from minispec.llm import LLM, has_chat_template
 from minispec.models.loader import LoadedModel, load_model
+from minispec.models.quantize import is_self_draft, self_draft
 from minispec.playground.config import PlaygroundConfig
 from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.adaptive import AdaptiveK
@@ -261,9 +262,10 @@ class _Sweep:
         self.cache = cache
         self.prompts = prompts
         self.target = cache.load(cfg.target)
-        # draft name (as configured) -> loaded model or "ngram"; "target" and the target's own spec draft for themselves
-        self.drafts = {d: self.target if d in ("target", cfg.target) else cache.load(d)
-                       for d in cfg.draft}
+        # draft name (as configured) -> loaded model or "ngram"; "target" and the target's own spec draft for
+        # themselves; a self-draft ("self-int4") derived from the loaded target
+        self.drafts = {d: self.target if d in ("target", cfg.target) else
+                       self_draft(self.target, d) if is_self_draft(d) else cache.load(d) for d in cfg.draft}
         self.ks = sorted(set(cfg.k))
         self.sampling = list(itertools.product(cfg.prompt_set, cfg.temperature, cfg.top_p))
         self.common = dict(dtype=cfg.dtype, seed=cfg.seed, ngram_n=tuple(cfg.ngram_n))
