@@ -118,6 +118,7 @@ def test_fit_verify_ratios():
     assert fit_verify_ratios([1.5, 1.2, 1.1]) == pytest.approx([1.2667] * 3, abs=1e-3)  # no negative slope
     assert fit_verify_ratios([0.8, 0.9]) == [1.0, 1.0]
     assert fit_verify_ratios([1.0, 2.0, 3.0]) == pytest.approx([1.0, 2.0, 3.0])
+    assert fit_verify_ratios([1.2, 2.0], [1, 5], 5) == pytest.approx([1.2, 1.4, 1.6, 1.8, 2.0])  # two ends
 
 
 def test_adaptive_choose_maximises_tokens_per_cost():

@@ -67,18 +67,20 @@ class CostBench:
                        for name, model in drafts.items()}
 
     @torch.inference_mode()
-    def measure(self, batch_size: int, repeats: int) -> dict:
+    def measure(self, batch_size: int, repeats: int, verify_ks: list[int] | None = None) -> dict:
         """Step times at batch_size (fastest of 1 + `repeats` samples: the warm-up call is one) and the cost ratios
         of the speedup model:
           target_step_ms       a 1-token target forward of batch_size requests
-          verify_ms/_ratio     {k: (k + 1)-token target forward, in ms / over target_step_ms} for k in 1..k_max
-          verify_ratio_fit     {k: the ratios' least-squares line a + b k (b >= 0, values >= 1)}
+          verify_ms/_ratio     {k: (k + 1)-token target forward, in ms / over target_step_ms} for k in verify_ks
+                               (default 1..k_max)
+          verify_ratio_fit     {k: the ratios' least-squares line a + b k (b >= 0, values >= 1)} for k in 1..k_max
           draft_step_ms, c     {name: one draft step in ms / over target_step_ms}
         Measurements go round-robin in a shuffled order, so machine noise hits them alike.
         """
         b, k_max, target = batch_size, self.k_max, self.target
+        ks = list(range(1, k_max + 1)) if verify_ks is None else sorted(set(verify_ks))
         timers = {"target": lambda: target.step(b, 1)}
-        for k in range(1, k_max + 1):
+        for k in ks:
             timers[f"verify{k}"] = lambda k=k: target.step(b, k + 1)
         per_token = {}  # draft name -> drafted tokens one timed call stands for
         for name, draft in self.drafts.items():
@@ -99,13 +101,13 @@ class CostBench:
                 times[names[i]].append(_time(timers[names[i]], calls[names[i]]))
         best = {name: float(np.min(t)) for name, t in times.items()}  # noise only adds: the fastest is the cost
         t_target = best["target"]
-        ks = range(1, k_max + 1)
         verify_ratio = {k: best[f"verify{k}"] / t_target for k in ks}
+        all_ks = range(1, k_max + 1)
         return {
             "target_step_ms": 1e3 * t_target,
             "verify_ms": {k: 1e3 * best[f"verify{k}"] for k in ks},
             "verify_ratio": verify_ratio,
-            "verify_ratio_fit": dict(zip(ks, fit_verify_ratios(list(verify_ratio.values())))),
+            "verify_ratio_fit": dict(zip(all_ks, fit_verify_ratios(list(verify_ratio.values()), ks, k_max))),
             "draft_step_ms": {name: 1e3 * best[f"draft:{name}"] / per_token[name] for name in self.drafts},
             "c": {name: best[f"draft:{name}"] / per_token[name] / t_target for name in self.drafts},
         }
@@ -118,18 +120,20 @@ def measure_costs(target_model, drafts: dict, k_max: int, batch_size: int, conte
                      seed).measure(batch_size, repeats)
 
 
-def fit_verify_ratios(ratios: list[float]) -> list[float]:
-    """A line a + b k through the verify ratios of k = 1..len(ratios): non-decreasing (b >= 0), at least 1.
+def fit_verify_ratios(ratios: list[float], ks: list[int] | None = None, k_max: int | None = None) -> list[float]:
+    """A line a + b k through the verify ratios measured at ks (default 1..len(ratios)), evaluated at
+    k = 1..k_max (default max(ks)): non-decreasing (b >= 0), at least 1.
 
     Scoring more tokens never costs less; a measured dip is noise, and a policy that trusted it
     would favour that k.
     """
     v = np.asarray(ratios, dtype=np.float64)
-    ks = np.arange(1, len(v) + 1, dtype=np.float64)
+    ks = np.arange(1, len(v) + 1, dtype=np.float64) if ks is None else np.asarray(ks, dtype=np.float64)
+    out = np.arange(1, (int(ks.max()) if k_max is None else k_max) + 1, dtype=np.float64)
     slope = 0.0
     if len(v) > 1:
         slope = max(0.0, float(np.polyfit(ks, v, 1)[0]))
-    fit = v.mean() + slope * (ks - ks.mean())
+    fit = v.mean() + slope * (out - ks.mean())
     return np.maximum(fit, 1.0).tolist()
 
 
@@ -166,7 +170,7 @@ class MeasuredCosts:
         t0 = time.perf_counter()
         bench = CostBench(target_model, {"draft": draft}, k_max, max_batch_size, context, vocab_size, dtype, device)
         for b in sorted({self.bucket(n) for n in range(1, max_batch_size + 1)}):
-            costs = bench.measure(b, repeats)
+            costs = bench.measure(b, repeats, verify_ks=[1, k_max])  # the fit is a line: its two ends
             values = torch.tensor([costs["c"]["draft"]] + [costs["verify_ratio_fit"][k] for k in
                                                               range(1, k_max + 1)], dtype=torch.float64)
             tp = getattr(target_model, "tp_group", None)
