@@ -25,7 +25,7 @@ def main() -> None:
     llm = LLM(target=args.target, draft=None, max_num_seqs=args.num_prompts)
     hf, tokenizer = load_hf_model(args.target)
     texts, source = load_prompt_texts(args.num_prompts)
-    prompts = encode_prompts(tokenizer, texts, True, 1024)
+    prompts, _ = encode_prompts(tokenizer, texts, True, 1024)  # (ids, tokens cut)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))
     equal, gaps = 0, []
     for i, (ids, out) in enumerate(zip(prompts, outs)):
