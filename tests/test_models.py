@@ -208,7 +208,7 @@ def test_smollm2_alias_matches_transformers(smollm2):
 @pytest.mark.parametrize("kind", ["dense", "Q4_1", "Q8_0"])
 def test_decode_layers_equals_layer_by_layer(kind, tmp_path):
     """kernels/cpu_ops.cpp's decode_layers (every layer in one C++ call) gives the same floats as the
-    op-by-op Python path (torch.equal): decode (1 token), verify (5) and a padded batch (2 x 3)."""
+    op-by-op Python path (torch.equal): decode (1 token), verify (5), a padded batch (2 x 3) and 2 x 8."""
     if kind == "dense":
         path = make_tiny_model_dir(tmp_path, attention_bias=True, mlp_bias=True, seed=4)
     else:
@@ -225,6 +225,7 @@ def test_decode_layers_equals_layer_by_layer(kind, tmp_path):
         logits += run(model, kv, [0], [12], [prompt(1, 3)])
         logits += run(model, kv, [1], [20], [prompt(5, 4)])
         logits += run(model, kv, [0, 1], [13, 25], [prompt(3, 5), prompt(2, 6)])
+        logits += run(model, kv, [0, 1], [16, 27], [prompt(8, 7), prompt(8, 8)])  # 16 tokens: FUSED_MAX_TOKENS
         runs.append(logits)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
