@@ -18,10 +18,7 @@ import torch
 
 from minispec.distributed import get_tp_group
 from minispec.sampling_params import SamplingParams
-
-SPEC_KEYS = ("num_spec_verifications", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
-             "num_stale_drafts")
-
+from minispec.tools.metrics import COUNTERS
 
 @dataclass(slots=True)
 class Update:
@@ -203,7 +200,7 @@ class EngineLoop:
             if live is None:
                 continue
             m = req.metrics
-            spec = {key: getattr(m, key) for key in SPEC_KEYS}
+            spec = {key: getattr(m, key) for key in COUNTERS}
             spec["accepted_per_position"] = list(m.accepted_per_position)
             if self.metrics is not None:
                 self._observe(live, req, out.new_token_ids, now)
