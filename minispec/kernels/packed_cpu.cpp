@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -302,7 +303,29 @@ void block_dequant(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t en
     }
   }
 }
+// f(std::integral_constant<int64_t, QT>{}) for a block type QT (the SIMD paths); false for F16 / BF16.
+template <class F>
+bool with_block_type(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); return true;
+    case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); return true;
+    case Q8_0: f(std::integral_constant<int64_t, Q8_0>{}); return true;
+  }
+  return false;
+}
 #endif
+
+// fn(n, w, d, m) for each row n in [begin, end), unpacked by unpack_row: the portable path.
+template <class F>
+void for_unpacked_rows(int64_t qtype, const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t K, F&& fn) {
+  const int64_t G = (K + GROUP - 1) / GROUP, Kp = G * GROUP;
+  std::vector<float> buf(Kp + 2 * G);
+  float *wf = buf.data(), *d = wf + Kp, *m = d + G;
+  for (int64_t n = begin; n < end; n++) {
+    unpack_row(qtype, wd + n * wstride, K, wf, d, m);
+    fn(n, wf, d, m);
+  }
+}
 
 }  // namespace
 
@@ -332,16 +355,10 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
   float* od = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
 #ifdef MS_AVX2
-    switch (qtype) {
-      case Q4_0: return block_rows<Q4_0>(wd, wstride, begin, end, G, xd, M, sxd, od, N);
-      case Q4_1: return block_rows<Q4_1>(wd, wstride, begin, end, G, xd, M, sxd, od, N);
-      case Q8_0: return block_rows<Q8_0>(wd, wstride, begin, end, G, xd, M, sxd, od, N);
-    }
+    if (with_block_type(qtype, [&](auto qt) { block_rows<qt()>(wd, wstride, begin, end, G, xd, M, sxd, od, N); }))
+      return;
 #endif
-    std::vector<float> buf(Kp + 2 * G);
-    float *wf = buf.data(), *d = wf + Kp, *m = d + G;
-    for (int64_t n = begin; n < end; n++) {
-      unpack_row(qtype, wd + n * wstride, K, wf, d, m);
+    for_unpacked_rows(qtype, wd, wstride, begin, end, K, [&](int64_t n, const float* wf, const float* d, const float* m) {
       int64_t r = 0;
       for (; r + 4 <= M; r += 4) dot_rows<4>(wf, d, G, xd + r * Kp, Kp, od + r * N + n, N);
       for (; r < M; r++) dot_rows<1>(wf, d, G, xd + r * Kp, Kp, od + r * N + n, N);
@@ -352,7 +369,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
           od[r2 * N + n] += s;
         }
       }
-    }
+    });
   });
   return out;
 }
@@ -361,26 +378,19 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
 torch::Tensor packed_dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.size(1) == row_bytes(qtype, K),
               "packed_dequantize: w must be [N, row_bytes] uint8");
-  const int64_t N = w.size(0), G = (K + GROUP - 1) / GROUP, Kp = G * GROUP;
+  const int64_t N = w.size(0), G = (K + GROUP - 1) / GROUP;
   auto out = torch::empty({N, K}, w.options().dtype(torch::kFloat));
   const uint8_t* wd = w.data_ptr<uint8_t>();
   const int64_t wstride = w.stride(0);
   float* od = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
 #ifdef MS_AVX2
-    switch (qtype) {
-      case Q4_0: return block_dequant<Q4_0>(wd, wstride, begin, end, G, od);
-      case Q4_1: return block_dequant<Q4_1>(wd, wstride, begin, end, G, od);
-      case Q8_0: return block_dequant<Q8_0>(wd, wstride, begin, end, G, od);
-    }
+    if (with_block_type(qtype, [&](auto qt) { block_dequant<qt()>(wd, wstride, begin, end, G, od); })) return;
 #endif
-    std::vector<float> buf(Kp + 2 * G);
-    float *wf = buf.data(), *d = wf + Kp, *m = d + G;
-    for (int64_t n = begin; n < end; n++) {
-      unpack_row(qtype, wd + n * wstride, K, wf, d, m);
+    for_unpacked_rows(qtype, wd, wstride, begin, end, K, [&](int64_t n, const float* wf, const float* d, const float* m) {
       float* o = od + n * K;
       for (int64_t k = 0; k < K; k++) o[k] = d[k / GROUP] * wf[k] + m[k / GROUP];
-    }
+    });
   });
   return out;
 }
