@@ -133,8 +133,7 @@ class OpenAIServer:
             if not collect.done():
                 return Response(status_code=499)  # nobody reads it
             last = collect.result()
-            if text.stopped:
-                self._release(req_id, "stop")
+            self._release(req_id, "stop" if text.stopped else None)
         finally:
             collect.cancel()
             gone.cancel()
@@ -176,10 +175,9 @@ class OpenAIServer:
                     break
                 delta = text.add(last.new_token_ids)
                 done = last.finish_reason is not None or text.stopped
-                if done:
+                if done:  # released before the client can read its last chunk, so /metrics then counts it
                     delta += text.finish()
-                    if text.stopped:
-                        self._release(req_id, "stop")
+                    self._release(req_id, "stop" if text.stopped else None)
                 if not delta and not done:
                     continue
                 finish = ("stop" if text.stopped else last.finish_reason) if done else None
@@ -198,12 +196,12 @@ class OpenAIServer:
         finally:
             self._release(req_id)
 
-    def _release(self, req_id: str, reason: str = "abort") -> None:
-        """The request's answer is over (or its client left): free its place, and abort it in the engine
-        if it still runs there (reason "stop" after a stop string; a no-op once it ended). Idempotent."""
+    def _release(self, req_id: str, reason: str | None = None) -> None:
+        """The request's answer is over (or its client left): free its place, and release it in the loop
+        (reason "stop" after a stop string; EngineLoop.release). Idempotent."""
         if req_id in self.open:
             self.open.remove(req_id)
-            self.loop.abort(req_id, reason)
+            self.loop.release(req_id, reason)
 
     def _head(self, req_id: str, job: Job, stream: bool) -> dict:
         kind = ("chat.completion.chunk" if stream else "chat.completion") if job.chat else "text_completion"

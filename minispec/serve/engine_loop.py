@@ -1,9 +1,11 @@
 """The engine loop: one thread owns the LLM and steps its engine for every connection (continuous batching).
 
-Requests arrive from any thread as commands (add, abort); the loop applies them between steps, so an
-abort frees the request's slot and draft-logits row before the next step. Under torchrun rank 0 runs
-the loop and broadcasts each iteration's commands; the other ranks `follow`, applying the same
-commands and stepping the same engine, so every collective inside `Engine.step` lines up.
+Requests arrive from any thread as commands (add, release); the loop applies them between steps, so
+releasing a running request frees its slot and draft-logits row before the next step. A request's finish
+is counted when it is released: the reason its client was given (a stop string the server found after the
+engine ran on counts as "stop"). Under torchrun rank 0 runs the loop and broadcasts each iteration's
+commands; the other ranks `follow`, applying the same commands and stepping the same engine, so every
+collective inside `Engine.step` lines up.
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class _Live:
     last_token_time: float | None = None
     seen: tuple = (0, 0, 0)  # num_drafts, num_draft_tokens, num_accepted_tokens already counted
     seen_per_pos: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # set once the engine has ended it; the answer stays open until released
+    end_time: float | None = None
 
 
 def apply_commands(llm, commands: list[tuple]) -> tuple[bool, dict[str, str]]:
@@ -71,7 +75,7 @@ def follow(llm) -> None:
 
 
 class EngineLoop:
-    """The thread that owns the LLM. submit() / abort() / call() are safe from any thread.
+    """The thread that owns the LLM. submit() / release() / call() are safe from any thread.
 
     heartbeat_s: an idle loop under TP still broadcasts (empty commands) this often, so the
     followers' collectives do not time out while no request comes.
@@ -101,12 +105,14 @@ class EngineLoop:
         """Queue a request; sink(update) is called from the engine thread after each step that gave it tokens."""
         self._commands.put(("add", req_id, prompt_ids, params, sink, time.perf_counter()))
 
-    def abort(self, req_id: str, reason: str = "abort") -> None:
-        """Stop a request before the next step (freeing its slot and draft-logits row); its sink hears no more.
+    def release(self, req_id: str, reason: str | None = None) -> None:
+        """The answer to req_id is over, or its client left: end the request in the engine if it still runs
+        there (freeing its slot and draft-logits row before the next step; its sink hears no more) and count
+        its finish. Every submitted request is released once; more releases are no-ops.
 
-        reason: what the metrics count it as ("stop" when the server found a stop string); a no-op once
-        the request has ended."""
-        self._commands.put(("abort", req_id, reason))
+        reason: "stop" when the server found a stop string; else the engine's finish reason if it ended,
+        "abort" if it had not."""
+        self._commands.put(("release", req_id, reason))
 
     def call(self, fn: Callable) -> concurrent.futures.Future:
         """Run fn(engine) in the engine thread between steps (to read its state safely); its result in a Future."""
@@ -131,8 +137,9 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 — the loop is dead: tell every waiting client why
             reason = f"engine loop failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self.error = reason
-        for req_id, live in list(self._live.items()):
-            live.sink(Update([], "abort", reason))
+        for live in self._live.values():
+            if live.finish_reason is None:
+                live.sink(Update([], "abort", reason))
         self._live.clear()
         self._drain_late(reason)
 
@@ -159,12 +166,16 @@ class EngineLoop:
                 _, req_id, prompt_ids, params, sink, arrival = cmd
                 self._live[req_id] = _Live(sink, arrival, len(prompt_ids), seen_per_pos=[0] * self.engine.k)
                 engine_commands.append(cmd[:4])
-            elif kind == "abort":
-                live = self._live.pop(cmd[1], None)
-                if live is not None:
-                    engine_commands.append(cmd[:2])
-                    if self.metrics is not None:
-                        self.metrics.observe_finish(cmd[2], time.perf_counter() - live.arrival)
+            elif kind == "release":
+                _, req_id, reason = cmd
+                live = self._live.pop(req_id, None)
+                if live is None:
+                    continue
+                if live.finish_reason is None:
+                    engine_commands.append(("abort", req_id))
+                if self.metrics is not None:
+                    end = live.end_time if live.end_time is not None else time.perf_counter()
+                    self.metrics.observe_finish(reason or live.finish_reason or "abort", end - live.arrival)
             elif kind == "call":
                 calls.append(cmd)
             else:
@@ -197,7 +208,7 @@ class EngineLoop:
         for out in outputs:
             req = out.req
             live = self._live.get(req.req_id)
-            if live is None:
+            if live is None or live.finish_reason is not None:
                 continue
             m = req.metrics
             spec = {key: getattr(m, key) for key in COUNTERS}
@@ -205,7 +216,7 @@ class EngineLoop:
             if self.metrics is not None:
                 self._observe(live, req, out.new_token_ids, now)
             if req.finished:
-                del self._live[req.req_id]
+                live.finish_reason, live.end_time = req.finish_reason, now
             live.sink(Update(out.new_token_ids, req.finish_reason, req.error, spec))
 
     def _observe(self, live: _Live, req, new_token_ids: list[int], now: float) -> None:
@@ -221,8 +232,6 @@ class EngineLoop:
             else:
                 metrics.observe_tokens(len(new_token_ids), itl_s=now - live.last_token_time)
             live.last_token_time = now
-        if req.finished:
-            metrics.observe_finish(req.finish_reason, now - live.arrival)
 
     def _drain_late(self, reason: str) -> None:
         """After the loop ends: answer what was queued since, so no caller waits forever."""
