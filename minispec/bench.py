@@ -452,6 +452,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                              if llama["tok_s"] and hf_base.get((1, 0.0)) else None,
                              note=llama["note"], **stream_rate(llama["tok_s"], llama["bytes"], 1, bandwidth)))
 
+    # minispec's decode rate at batch 1, as llama-bench's tg measures llama.cpp's: the tokens after each
+    # request's first, over the time after its first token (the prompt's forward left out).
+    decode_tok_s = None
+    b1_row = ms_base_rows.get((1, min(cfg.temperatures))) if 1 in cfg.batch_sizes else None
+    if b1_row is not None and b1_row.outputs:
+        after_first = [(len(o.token_ids) - 1, o.metrics["elapsed_s"] - o.metrics["time_to_first_token_s"])
+                       for o in b1_row.outputs if o.metrics.get("time_to_first_token_s") is not None]
+        seconds = sum(s for _, s in after_first)
+        decode_tok_s = sum(n for n, _ in after_first) / seconds if seconds > 0 else None
     bytes_per_token = param_bytes(llms[None].target.model)
     roofline = bandwidth * 1e9 / bytes_per_token
     b1 = min(cfg.batch_sizes)
@@ -479,6 +488,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
             "batch_size": b1,
             "temperature": t0,
             "minispec_tok_s": ms_b1,
+            "minispec_decode_tok_s": decode_tok_s,  # batch 1 only: after each request's first token
             "minispec_fraction": ms_b1 / roofline if ms_b1 else None,
             "transformers_tok_s": hf_b1,
             "transformers_fraction": hf_b1 / roofline if hf_b1 else None,
@@ -550,8 +560,12 @@ def format_table(result: dict) -> str:
     llama = result.get("llama_cpp")
     if llama:
         ratio = roof["minispec_tok_s"] / llama["tok_s"] if llama["tok_s"] and roof["minispec_tok_s"] else None
+        decode = roof.get("minispec_decode_tok_s")
         lines.append(f"llama.cpp ({llama['threads']} threads): {llama['note']}" + (
-            f"; minispec target-only / llama.cpp decode = {ratio:.2f}x" if ratio else ""))
+            f"; minispec target-only / llama.cpp decode = {ratio:.2f}x end to end (prompt included)" if ratio else ""))
+        if decode and llama["tok_s"]:
+            lines.append(f"minispec decode (batch 1, after the first token, as llama-bench's tg): {decode:.1f} tok/s = "
+                         f"{decode / llama['tok_s']:.2f}x llama.cpp")
     verify = ", ".join(f"b={b}: {v:.2f}" for b, v in costs["verify_ratio"].items())
     lines.append(f"verify cost ratio ({cfg['k'] + 1}-token / 1-token target forward, context {costs['context']}): {verify}")
     for d, per_b in costs["draft_cost_ratio"].items():

@@ -80,6 +80,7 @@ def test_quick_run_table_and_json(quick_run):
     assert roof["bytes_per_token"] == sum(p.numel() * 4 for p in hf.parameters())
     assert roof["roofline_tok_s"] == pytest.approx(roof["bandwidth_gb_s"] * 1e9 / roof["bytes_per_token"])
     assert roof["minispec_fraction"] == pytest.approx(roof["minispec_tok_s"] / roof["roofline_tok_s"])
+    assert roof["minispec_decode_tok_s"] > 0  # after each request's first token (llama-bench's tg)
     assert set(result["costs"]["verify_ratio"]) == {"1"}
     assert result["costs"]["draft_cost_ratio"]["ngram"] == {"1": 0.0}
     assert result["costs"]["draft_cost_ratio"][draft]["1"] > 0
