@@ -54,6 +54,30 @@ def test_packed_linear_odd_width(name):
     assert rel_err(linear(x, w), F.linear(x, torch.from_numpy(ref))) < 1e-5
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9])
+@pytest.mark.parametrize("k", [64, 100, 576])
+def test_dense_linear_equals_float64_layer(rows, k):
+    """A dense float32 layer on CPU (linear -> the C++ dense_linear): each weight row read once for up to 8
+    rows, against the float64 layer (rel tol 1e-5); with a bias, and through linear's [..., K] shapes."""
+    if ops() is None:
+        pytest.skip("no C++ compiler: linear is F.linear")
+    torch.manual_seed(rows * 1000 + k)
+    x, w, b = torch.randn(rows, 1, k), torch.randn(37, k), torch.randn(37)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert rel_err(linear(x, w, b).double(), ref) < 1e-5
+    assert rel_err(linear(x, w).double(), ref - b.double()) < 1e-5
+    if rows > 8:  # more rows: at::linear's GEMM, as F.linear
+        assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+
+
+def test_dense_linear_leaves_gradients_to_torch():
+    """The kernels have no backward: a layer whose weight wants a gradient stays F.linear (distillation)."""
+    w = torch.randn(8, 64, requires_grad=True)
+    y = linear(torch.randn(2, 64), w)
+    y.sum().backward()
+    assert w.grad is not None and w.grad.shape == w.shape
+
+
 def test_packed_linear_bias_and_bf16_activations():
     w, ref = packed("Q4_1", 11, 64)
     bias = torch.randn(11)

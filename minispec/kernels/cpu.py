@@ -29,6 +29,7 @@ def ops():
 
 
 def applies(*tensors) -> bool:
-    """Whether the kernels take these tensors: contiguous float32 on CPU, and the module built."""
+    """Whether the kernels take these tensors: contiguous float32 on CPU, no gradient wanted (the kernels
+    have no backward), and the module built."""
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors) \
-        and ops() is not None
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and ops() is not None

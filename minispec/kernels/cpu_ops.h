@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
+torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor packed_dequantize(torch::Tensor w, int64_t qtype, int64_t K);
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);

@@ -327,6 +327,28 @@ void for_unpacked_rows(int64_t qtype, const uint8_t* wd, int64_t wstride, int64_
   }
 }
 
+#ifdef MS_AVX2
+// RT activation rows x (stride ldx) against one dense float32 row w of K values: out[r * ldo] for each r.
+template <int RT>
+inline void dense_row_dot(const float* w, int64_t K, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  constexpr int A = RT <= 4 ? 2 : 1;  // accumulators per row: shorter chains while registers last
+  __m256 acc[RT][A];
+  for (int r = 0; r < RT; r++)
+    for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * A <= K; k += 8 * A)
+    for (int a = 0; a < A; a++) {
+      const __m256 wv = _mm256_loadu_ps(w + k + 8 * a);
+      for (int r = 0; r < RT; r++) acc[r][a] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * ldx + k + 8 * a), acc[r][a]);
+    }
+  for (int r = 0; r < RT; r++) {
+    float s = hsum(A == 2 ? _mm256_add_ps(acc[r][0], acc[r][A - 1]) : acc[r][0]);
+    for (int64_t k2 = k; k2 < K; k2++) s += w[k2] * x[r * ldx + k2];
+    out[r * ldo] = s;
+  }
+}
+#endif
+
 }  // namespace
 
 // x [M, K] float32, w [N, row_bytes] uint8 -> [M, N] float32.
@@ -372,6 +394,38 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
     });
   });
   return out;
+}
+
+
+// x [M, K] float32 @ w [N, K]^T float32 (+ bias) -> [M, N]. A GEMM packs the weight for a few rows
+// (a verification: 2 to 8 rows cost about two 1-row GEMVs); here each weight row is read once for all
+// of them, then the bias is added. One row, or more than 8, is at::linear's.
+torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.scalar_type() == torch::kFloat &&
+                  w.scalar_type() == torch::kFloat, "dense_linear: x [M, K] and w [N, K] must be float32");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+#ifdef MS_AVX2
+  if (M >= 1 && M <= 8 && w.is_contiguous()) {
+    auto xc = x.contiguous();
+    auto out = torch::empty({M, N}, x.options());
+    const float *xd = xc.data_ptr<float>(), *wd = w.data_ptr<float>();
+    float* od = out.data_ptr<float>();
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; n++) {
+        const float* row = wd + n * K;
+        int64_t r = 0;
+        for (; r + 4 <= M; r += 4) dense_row_dot<4>(row, K, xd + r * K, K, od + r * N + n, N);
+        switch (M - r) {
+          case 3: dense_row_dot<3>(row, K, xd + r * K, K, od + r * N + n, N); break;
+          case 2: dense_row_dot<2>(row, K, xd + r * K, K, od + r * N + n, N); break;
+          case 1: dense_row_dot<1>(row, K, xd + r * K, K, od + r * N + n, N); break;
+        }
+      }
+    });
+    return bias.has_value() ? out.add_(*bias) : out;
+  }
+#endif
+  return at::linear(x, w, bias);
 }
 
 // w [N, row_bytes] uint8 -> [N, K] float32: d * q + m per value, as gguf's dequantisation computes it.
