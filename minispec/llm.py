@@ -201,9 +201,11 @@ class LLM:
         if draft == "ngram":
             proposer = NgramProposer(k, *ngram_n, device=self.device)
         elif self.draft is not None:
+            # A self-draft with every layer reads and extends the target's KV cache: no draft prefill.
+            shared = is_self_draft(draft) and self.draft.model.num_layers == self.target.model.num_layers
             draft_runner = ModelRunner(self.draft.model, max_num_seqs, kv_len, dtype=draft_torch_dtype,
-                                       device=self.device)
-            proposer = DraftModelProposer(draft_runner, k)
+                                       device=self.device, kv=target_runner.kv if shared else None)
+            proposer = DraftModelProposer(draft_runner, k, shares_target_kv=shared)
         if adaptive_k and proposer is not None:
             # Draft and verify costs measured on these models at each batch-size bucket, now (before serving).
             costs = MeasuredCosts(self.target.model, "ngram" if self.draft is None else self.draft.model, k,

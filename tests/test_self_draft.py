@@ -197,3 +197,23 @@ def test_self_draft_of_a_target_that_already_ran(target_dir):
     if layers is not None:
         assert len(layers[0]) == 2 * 4 and all(q == int(T.Q4_1) for q in layers[1])
     assert greedy(LLM(base.target, "self-int4:2", num_speculative_tokens=3)) == greedy(base)
+
+
+def test_full_self_draft_runs_on_the_target_kv_cache(target_dir):
+    """A self-draft with every layer drafts on the target's KV cache: it never prefills (every draft forward
+    feeds one token) and never writes below the target's num_computed, so target-only greedy output holds."""
+    llm = LLM(target_dir, "self-int4", num_speculative_tokens=3)
+    proposer = llm.engine.proposer
+    assert proposer.shares_target_kv and proposer.runner.kv is llm.engine.target.kv
+    assert not LLM(target_dir, "self-int4:2", num_speculative_tokens=3).engine.proposer.shares_target_kv
+    forward, offsets, lengths = proposer.runner.forward, [], []
+
+    def checked(slots, starts, queries, *args, **kwargs):
+        computed = {r.slot: r.num_computed for r in llm.engine.scheduler.running}
+        offsets.extend(start - computed[slot] for slot, start in zip(slots, starts))
+        lengths.extend(len(q) for q in queries)
+        return forward(slots, starts, queries, *args, **kwargs)
+
+    proposer.runner.forward = checked
+    assert greedy(llm) == greedy(LLM(target_dir, None))
+    assert offsets and min(offsets) == 0 and set(lengths) == {1}

@@ -51,7 +51,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<torch::Tensor>& w
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x [M, K] f32 @ packed w [N, K]^T -> [M, N] f32");
-  m.def("dense_linear", &dense_linear, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), "x [M, K] f32 @ w [N, K]^T f32 (+ bias) -> [M, N] f32 (each weight row read once for 2-8 rows)");
+  m.def("dense_linear", &dense_linear, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), "x [M, K] f32 @ w [N, K]^T f32 (+ bias) -> [M, N] f32 (each weight row read once for up to 16 rows)");
   m.def("packed_dequantize", &packed_dequantize, "packed w [N, K] -> f32 [N, K]");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) (or RMSNorm(x) without a residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [.., gate | up]");

@@ -13,12 +13,14 @@ from minispec.layers.attention import ForwardBatch
 class ModelRunner:
     """A model and its KV cache. Target and draft each have one."""
 
-    def __init__(self, model, num_slots: int, max_len: int, *, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model, num_slots: int, max_len: int, *, dtype: torch.dtype, device: torch.device,
+                 kv: KVCache | None = None):
         self.model = model
         self.device = device
         self.max_len = max_len
         self.forward_s = 0.0  # wall seconds spent in forward so far (the device synchronised at the end of each)
-        self.kv = KVCache(
+        # kv: another runner's cache, for a model with the same layers (a self-draft reads the target's K/V)
+        self.kv = kv if kv is not None else KVCache(
             model.num_layers, num_slots, max_len, model.num_kv_heads, model.head_dim, dtype=dtype, device=device
         )
 

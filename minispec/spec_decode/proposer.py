@@ -21,6 +21,7 @@ class Drafting(Protocol):
     token_ids: list[int]  # prompt + output
     params: SamplingParams
     random: RequestRandom
+    num_computed: int  # tokens whose K/V are in the target cache
     num_draft_computed: int  # tokens whose K/V are in the draft cache
 
 
@@ -37,11 +38,18 @@ class Proposer(Protocol):
 
 
 class DraftModelProposer:
-    """A smaller causal LM drafts k tokens autoregressively, one batched forward per position."""
+    """A smaller causal LM drafts k tokens autoregressively, one batched forward per position.
 
-    def __init__(self, runner: ModelRunner, k: int):
+    shares_target_kv: the draft runs on the target's KV cache (a self-draft with every layer). It starts
+    at the target's num_computed, so it never prefills and never writes a position the target has
+    computed: its K/V for the drafts lie past that, where the target's verification overwrites them
+    before reading them.
+    """
+
+    def __init__(self, runner: ModelRunner, k: int, shares_target_kv: bool = False):
         self.runner = runner
         self.k = k
+        self.shares_target_kv = shares_target_kv
 
     def propose(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
         """num_steps (default k) batched draft forwards. Under TP each draft step's logits go to the request's owner
@@ -66,6 +74,9 @@ class DraftModelProposer:
         num_steps = self.k if num_steps is None else num_steps
         drafts = np.empty((len(reqs), num_steps), dtype=np.int64)  # [num_reqs, num_steps]
         # Step 0 catches the draft cache up on everything it has not seen (prompt, accepted tokens, bonus).
+        if self.shares_target_kv:
+            for r in reqs:
+                r.num_draft_computed = r.num_computed
         starts = [r.num_draft_computed for r in reqs]
         queries = [r.token_ids[r.num_draft_computed :] for r in reqs]
         for j in range(num_steps):
