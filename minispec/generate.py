@@ -26,7 +26,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=int, default=1, help="smallest n-gram matched by --draft ngram")
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=None,
                    help="speculation length per step from running acceptance and measured costs; turns "
-                        "speculation off where it does not pay (default: on with the shipped draft, off with --draft)")
+                        "speculation off where it does not pay (default: on with the target's chosen proposer, off with --draft)")
     p.add_argument("--ngram-max", type=int, default=3, help="largest n-gram matched by --draft ngram")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun)")

@@ -26,16 +26,15 @@ from minispec.spec_decode.proposer import DraftModelProposer
 from minispec.utils import parse_dtype
 
 # The defaults: LLM(), the CLI, serve and `make demo` run DEFAULT_TARGET (packed, exact) with the proposer
-# DRAFT_FOR_TARGET names for it, under adaptive k. Chosen by measurement (docs/experiments.md, "Defaults for the
-# embedded model"): the shipped draft quantised to Q8_0 at load costs c = 0.12 of the packed target against 0.42
-# for its float32 weights, at the same acceptance; with main's kernels of 1 Dec (verify ratio 1.35) it ran at 1.25x
-# the packed target-only at batch 1 (with the issue-16 kernel, verify ratio 2.0, nothing paid). (None, None):
-# target-only.
+# DRAFT_FOR_TARGET names for it, under adaptive k; (None, None): target-only. Chosen by measurement
+# (docs/experiments.md, "Self-drafts and weight-only quantisation"): on the packed target no proposer pays. The
+# best, the shipped draft at int8 with adaptive k, ran 0.98x target-only at batch 1 and 0.87x / 0.93x at batch
+# 4 / 16 (a 5-token packed verification costs 2 one-token forwards; the draft accepts alpha 0.39).
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target, else none
 # target alias -> (draft: a model spec, "ngram", a self-draft or None; the draft's quantisation or None)
 DRAFT_FOR_TARGET: dict[str, tuple[str | None, str | None]] = {
-    "smollm2-135m-instruct": ("smollm2-135m-instruct-draft", "int8"),
+    "smollm2-135m-instruct": (None, None),  # the draft that ships for it: ("smollm2-135m-instruct-draft", "int8")
 }
 
 
@@ -105,8 +104,8 @@ class LLM:
     target: a model spec (alias, HF directory, .gguf file, hub id) or an already-loaded model
     (models.loader.load_model's LoadedModel, on this LLM's device and in its dtype: tools that build many
     engines over the same weights load them once).
-    draft: "auto" (default: the proposer DRAFT_FOR_TARGET names for this target, e.g. the draft minispec ships
-    in minispec/drafts/ quantised to int8, else none), None (target only), "ngram" (prompt lookup with n-gram sizes ngram_n = (min_n, max_n)), or a
+    draft: "auto" (default: the proposer DRAFT_FOR_TARGET names for this target, else none: today none for the
+    default target, where no proposer pays), None (target only), "ngram" (prompt lookup with n-gram sizes ngram_n = (min_n, max_n)), or a
     draft model (spec or LoadedModel, in draft_dtype) sharing the target's vocabulary.
     draft_dtype: the draft model's dtype (default: dtype); e.g. "bfloat16" for a float32 target.
     adaptive_k: each step chooses one speculation length for the batch's unseeded requests from their running

@@ -375,7 +375,7 @@ def _rss_mb() -> float:
 
 
 def test_a_thousand_short_requests_leave_nothing_behind(target_dir, draft_dir):
-    # The default LLM()'s path (a draft model, adaptive k on) on tiny models: the shipped SmolLM2 pair would
+    # The shipped pair's path (a draft model, adaptive k on) on tiny models: the SmolLM2 pair would
     # make 1,000 requests too slow for the suite.
     llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=3, max_num_seqs=8, seed=0,
               shard_draft_logits=True, max_num_batched_tokens=64, adaptive_k=True)

@@ -114,9 +114,10 @@ def test_target_as_own_draft_greedy_equals_transformers(hf_outputs):
     assert all(o.metrics["num_accepted_tokens"] >= 4 * (o.metrics["num_spec_verifications"] - 1) for o in outs)
 
 
-def test_shipped_draft_is_the_default_and_greedy_equals_transformers(hf_outputs):
-    """LLM() with no draft named loads the draft shipped in minispec/drafts/ (int8) with adaptive k; output is
-    still the target's greedy tokens, and the draft agrees with the target often (a guard on its weights)."""
+def test_default_is_target_only_and_shipped_draft_greedy_equals_transformers(hf_outputs):
+    """LLM() with no draft named runs the packed target alone (DRAFT_FOR_TARGET: no proposer pays on it). The
+    draft shipped in minispec/drafts/, at int8 with adaptive k, still gives the target's greedy tokens, and it
+    agrees with the target often (a guard on its weights)."""
     from safetensors import safe_open
 
     from minispec.models.loader import SHIPPED_DRAFTS
@@ -126,9 +127,12 @@ def test_shipped_draft_is_the_default_and_greedy_equals_transformers(hf_outputs)
     assert path.stat().st_size <= 32 * 2**20
     with safe_open(str(path), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
-    llm = LLM(max_num_seqs=4)
+    default = LLM(max_num_seqs=4)
+    assert default.draft is None and default.engine.proposer is None
+    check_equal(default.generate(PROMPTS, GREEDY, use_chat_template=True), hf_outputs, "default (target only)")
+    llm = LLM(draft="smollm2-135m-instruct-draft", draft_quantization="int8", adaptive_k=True, max_num_seqs=4)
     assert llm.draft.name == "smollm2-135m-instruct-draft" and isinstance(llm.engine.k_policy, AdaptiveK)
-    assert llm.draft.model.layers[0].down_proj.weight.qtype == 8  # quantised to Q8_0 at load (DRAFT_FOR_TARGET)
+    assert llm.draft.model.layers[0].down_proj.weight.qtype == 8  # quantised to Q8_0 at load
     outs = llm.generate(PROMPTS, GREEDY, use_chat_template=True)
     check_equal(outs, hf_outputs, "shipped draft, adaptive k")
     llm.engine.k_policy = None  # fixed k = 4: the draft's own acceptance
@@ -171,12 +175,12 @@ def test_tight_budget_skips_and_still_equals_transformers(hf_outputs):
     assert m["num_stale_drafts"] == 0 and m["acceptance_rate"] == 1.0
 
 
-def test_default_llm_seeded_sampling_is_reproducible():
-    """The reported case: LLM() (the shipped draft, adaptive k), T = 0.8, top_p = 0.95, seed = 1234 gave two outputs
+def test_shipped_pair_seeded_sampling_is_reproducible():
+    """The reported case: the shipped draft with adaptive k (LLM()'s default then), T = 0.8, top_p = 0.95, seed = 1234 gave two outputs
     run alone twice and a third in a batch of four. A seeded request now chooses its own k from its own state.
     (The others are seeded too, so no costs are measured: test_engine covers a batch with unseeded requests.)"""
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=1234 + i) for i in range(4)]
-    llm = LLM(max_num_seqs=4)
+    llm = LLM(draft="smollm2-135m-instruct-draft", draft_quantization="int8", adaptive_k=True, max_num_seqs=4)
     alone = llm.generate([PROMPTS[0]], params[0], use_chat_template=True)[0].token_ids
     assert llm.generate([PROMPTS[0]], params[0], use_chat_template=True)[0].token_ids == alone
     assert llm.generate(PROMPTS, params, use_chat_template=True)[0].token_ids == alone
