@@ -374,12 +374,16 @@ def _rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def test_a_thousand_short_requests_leave_nothing_behind(target_dir, draft_dir):
-    # The shipped pair's path (a draft model, adaptive k on) on tiny models: the SmolLM2 pair would
-    # make 1,000 requests too slow for the suite.
-    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=3, max_num_seqs=8, seed=0,
-              shard_draft_logits=True, max_num_batched_tokens=64, adaptive_k=True)
-    assert isinstance(llm.engine.k_policy, AdaptiveK)
+@pytest.mark.parametrize("path", ["default", "draft"])
+def test_a_thousand_short_requests_leave_nothing_behind(target_dir, draft_dir, path):
+    # On tiny models (SmolLM2 would make 1,000 requests too slow for the suite): LLM()'s default path (the
+    # target alone, DRAFT_FOR_TARGET), and the shipped pair's (a draft model, adaptive k on).
+    if path == "default":
+        llm = LLM(target=target_dir, draft=None, max_num_seqs=8, seed=0, max_num_batched_tokens=64)
+    else:
+        llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=3, max_num_seqs=8, seed=0,
+                  shard_draft_logits=True, max_num_batched_tokens=64, adaptive_k=True)
+        assert isinstance(llm.engine.k_policy, AdaptiveK)
     gc.collect()
     before = {id(o) for o in gc.get_objects() if isinstance(o, Request)}  # other tests' engines
     rng = np.random.default_rng(0)
