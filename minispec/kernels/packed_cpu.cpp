@@ -397,14 +397,15 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
 }
 
 
-// x [M, K] float32 @ w [N, K]^T float32 (+ bias) -> [M, N]. A GEMM packs the weight for a few rows
-// (a verification's 5 rows cost about two 1-row GEMVs) and torch's 1-row GEMV reads it at half the
-// memory's speed; here each weight row is read once for all rows (in groups of 4 while it sits in L1),
-// then the bias is added. More than DENSE_MAX_ROWS rows are at::linear's.
 // Rows up to which dense_linear streams the weight itself (measured on this machine: its one pass over a
 // 113 MB matrix from memory beats the GEMM up to 64 rows; on cache-resident layer weights the GEMM wins from
 // about 24 rows).
 constexpr int64_t DENSE_MAX_ROWS = 16;
+
+// x [M, K] float32 @ w [N, K]^T float32 (+ bias) -> [M, N]. A GEMM packs the weight for a few rows
+// (a verification's 5 rows cost about two 1-row GEMVs) and torch's 1-row GEMV reads it at half the
+// memory's speed; here each weight row is read once for all rows (in groups of 4 while it sits in L1),
+// then the bias is added. More than DENSE_MAX_ROWS rows are at::linear's.
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.scalar_type() == torch::kFloat &&
                   w.scalar_type() == torch::kFloat, "dense_linear: x [M, K] and w [N, K] must be float32");

@@ -160,7 +160,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
     """x [..., K] -> [..., N] in x's dtype: F.linear for a dense weight (on CPU in float32, the C++
     dense_linear: each weight row read once for up to 16 rows), exact float32 math for a packed one."""
     if not isinstance(w, PackedWeight):
-        if applies(x, w, *([] if bias is None else [bias])):  # a verification's few rows read w once
+        if applies(x, w, *([] if bias is None else [bias])):  # up to 16 rows: each weight row read once
             return _cpu_ops().dense_linear(x.reshape(-1, x.shape[-1]), w, bias).view(*x.shape[:-1], w.shape[0])
         return F.linear(x, w, bias)
     lead = x.shape[:-1]
