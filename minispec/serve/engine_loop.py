@@ -208,7 +208,7 @@ class EngineLoop:
         for out in outputs:
             req = out.req
             live = self._live.get(req.req_id)
-            if live is None or live.finish_reason is not None:
+            if live is None:
                 continue
             m = req.metrics
             spec = {key: getattr(m, key) for key in COUNTERS}
