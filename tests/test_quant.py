@@ -7,10 +7,15 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from minispec.kernels.cpu import ops
-from minispec.layers.quant import DENSE_ROWS, PackedWeight, dequantize_ref, linear, linear_ref
+from minispec.kernels import build_cpp
+from minispec.kernels.cpu import CFLAGS, SOURCES, ops
+from minispec.layers.quant import PackedWeight, dequantize_ref, linear, linear_ref
 
 TYPES = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0, "F16": T.F16, "BF16": T.BF16}
+# Activation rows that reach each path of the C++ op: one row; AVX-512 tiles of 4 weight rows (2-5 rows of x),
+# of 2 (6-8), 8 and a remainder (9, 17), chunks of 64 rows of x (70); AVX2 tiles of 8 and 4; and, past the
+# packed op's limit (PACKED_MAX_ROWS: 48 or 256), the dequantised weight's GEMM.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 70, 258]
 
 
 def packed(name: str, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, np.ndarray]:
@@ -36,7 +41,7 @@ def test_dequantize_matches_gguf(name):
 
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("n,k", [(37, 96), (5, 160)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 16, DENSE_ROWS + 2])  # each C++ tile shape
+@pytest.mark.parametrize("rows", ROWS)
 def test_packed_linear_equals_float32_layer(name, n, k, rows):
     """Packed layer == F.linear over the dequantised weight, rel tol 1e-5 (summation order only)."""
     w, ref = packed(name, n, k, seed=rows)
@@ -112,6 +117,24 @@ def test_block_type_needs_whole_blocks():
 def test_cpp_kernel_built():
     """The C++ op builds on this machine (gcc and Python headers are present in CI)."""
     assert ops() is not None
+    assert ops().PACKED_ISA in ("avx512", "avx2", "portable")
+
+
+@pytest.mark.parametrize("isa,flags", [("avx2", ["-mno-avx512f"]), ("portable", ["-mno-avx512f", "-mno-avx2", "-mno-fma"])])
+def test_narrower_builds_equal_float32_layer(isa, flags):
+    """The paths this CPU does not take by default, built without its wider instructions (a second build, cached):
+    every block type and tile shape against F.linear over the dequantised weight, rel tol 1e-5."""
+    if ops() is None or ops().PACKED_ISA == "portable" or (isa == "avx2" and ops().PACKED_ISA == "avx2"):
+        pytest.skip(f"this CPU's own build is the {isa} one (or none): the other tests run it")
+    ext = build_cpp(f"cpu_{isa}", SOURCES, CFLAGS + flags, f"the {isa} C++ kernels")
+    assert ext is not None and ext.PACKED_ISA == isa
+    for name in TYPES:
+        w, ref = packed(name, 37, 96, seed=1)
+        for rows in ROWS[:-1]:
+            x = torch.randn(rows, 96)
+            assert rel_err(ext.packed_linear(x, w.data, w.qtype, 96), F.linear(x, torch.from_numpy(ref))) < 1e-5, \
+                (name, rows)
+        assert torch.equal(ext.packed_dequantize(w.data, w.qtype, 96), torch.from_numpy(ref))
 
 
 @pytest.mark.parametrize("name", list(TYPES))

@@ -4,6 +4,10 @@
 #pragma once
 #include <torch/extension.h>
 
+// The packed kernels' instruction set ("avx512", "avx2" or "portable") and the activation rows up to which
+// packed_linear beats dequantising the weight for one float32 GEMM (layers/quant.py reads both).
+extern const char* const PACKED_ISA;
+extern const int64_t PACKED_MAX_ROWS;
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor packed_dequantize(torch::Tensor w, int64_t qtype, int64_t K);

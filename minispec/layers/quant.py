@@ -38,8 +38,6 @@ Q4_1, Q8_0 = 3, 8
 # Weight-only quantisation of a float checkpoint: name -> (linear layers' type, embedding / LM head type). The
 # embedding stays 8-bit under int4, as llama.cpp's Q4_1 files keep it (it is also the tied LM head).
 QUANTIZATIONS: dict[str, tuple[int, int]] = {"int8": (Q8_0, Q8_0), "int4": (Q4_1, Q8_0)}
-# Rows multiplied at once above which the CPU dequantises the weight and calls F.linear (prefill).
-DENSE_ROWS = 48
 
 
 def type_name(qtype: int) -> str:
@@ -171,7 +169,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
         y = packed_linear_triton(x2, w.data, w.qtype, w.in_features)  # [M, N] float32
     elif (ext := _cpu_ops()) is None:
         return linear_ref(x, w, bias)
-    elif x2.shape[0] > DENSE_ROWS:  # a prefill: one float32 GEMM on the weight dequantised for it
+    elif x2.shape[0] > ext.PACKED_MAX_ROWS:  # a long prefill: one float32 GEMM on the weight dequantised for it
         y = F.linear(x2.float(), ext.packed_dequantize(w.data, w.qtype, w.in_features))
     else:
         y = ext.packed_linear(x2.float().contiguous(), w.data, w.qtype, w.in_features)
