@@ -75,6 +75,20 @@ def test_dense_linear_equals_float64_layer(rows, k):
         assert torch.equal(linear(x, w, b), F.linear(x, w, b))
 
 
+@pytest.mark.parametrize("onednn", [True, False])
+def test_prefill_gemm_equals_float64_layer(onednn, monkeypatch):
+    """The prefill's GEMM (oneDNN's where torch has it, else F.linear) against the float64 layer, rel tol 1e-5."""
+    import minispec.layers.quant as quant
+
+    if not onednn:
+        monkeypatch.setattr(quant, "_ONEDNN_LINEAR", None)
+    elif quant._ONEDNN_LINEAR is None:
+        pytest.skip("this torch has no oneDNN linear")
+    torch.manual_seed(0)
+    x, w = torch.randn(300, 576), torch.randn(200, 576)
+    assert rel_err(quant.gemm(x, w).double(), x.double() @ w.double().T) < 1e-5
+
+
 def test_dense_linear_leaves_gradients_to_torch():
     """The kernels have no backward: a layer whose weight wants a gradient stays F.linear (distillation)."""
     w = torch.randn(8, 64, requires_grad=True)
