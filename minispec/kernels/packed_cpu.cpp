@@ -4,8 +4,9 @@
 // Each group unpacks to 32 integer codes q (or 32 floats for F16/BF16) with a scale d and a
 // minimum m; the row's value is d * q + m. With float32 activations and float32 accumulation, the
 // layer computes either, per group, d * sum(q * x) + m * sum(x) (one activation row: the cheapest
-// per block) or x . (d * q + m) with the block dequantised once for up to 8 rows: the same real
-// number; only the rounding order differs from F.linear over the dequantised row.
+// per block) or x . (d * q + m) with the block dequantised once for several rows: the same real
+// number; only the rounding order differs from F.linear over the dequantised row. Three paths, chosen
+// at compile time: AVX-512 (16-float vectors, 32 registers for wider tiles), AVX2 + FMA, portable C++.
 #include "cpu_ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -435,8 +436,11 @@ void tiles_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, i
   for (; n < end; n++) passes(std::integral_constant<int, 1>{}, n);
 }
 
+// Rows of x per chunk: 64 rows of up to 1536 floats (384 KB) stay in L2 while a thread's weight rows pass them.
 constexpr int64_t X_CHUNK_ROWS = 64;
 
+// Rows [begin, end) of out [M, N]: one row of x as rows_dot_512, 2-5 rows in tiles of 4 weight rows, more in
+// tiles of 2 over 64-row chunks of x.
 template <int64_t QT>
 void block_rows_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, const float* x,
                     int64_t M, const float* sx, float* out, int64_t N) {
@@ -446,7 +450,7 @@ void block_rows_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t e
     for (; n < end; n++) rows_dot_512<QT, 1>(wd + n * wstride, wstride, G, x, sx, out + n);
   } else if (M < 6) {
     tiles_512<QT, 4>(wd, wstride, begin, end, G, x, M, out, N);
-  } else {  // chunks of x that stay in L2 while this thread's weight rows pass them
+  } else {
     for (int64_t r = 0; r < M; r += X_CHUNK_ROWS)
       tiles_512<QT, 2>(wd, wstride, begin, end, G, x + r * G * GROUP, std::min(X_CHUNK_ROWS, M - r), out + r * N, N);
   }

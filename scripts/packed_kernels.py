@@ -1,0 +1,92 @@
+"""The packed linear op over a model's matrices back to back (one decode step's worth of weight products), by
+activation rows: this checkout's kernels, and optionally another checkout's side by side.
+
+    .venv/bin/python scripts/packed_kernels.py [--rows 1,2,5,16] [--reps 5] [--threads 2]
+        [--target smollm2-135m-instruct] [--baseline OTHER_CHECKOUT/minispec/kernels]
+
+For each row count M it times every packed weight of the model (the decoder layers' q|k|v, o, gate|up and
+down, then the tied LM head) multiplied by an [M, K] float32 input, alternating the builds each repetition,
+and prints the median ms, GMAC/s and the weight bytes streamed per second; and the largest error of each
+build against the float64 layer over the dequantised weights, relative to sum |w x| (float32 rounding is
+about 1e-7 here).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from minispec.kernels import build_cpp
+from minispec.kernels.cpu import CFLAGS, SOURCES, ops
+from minispec.layers.quant import PackedWeight
+from minispec.models.loader import load_model
+
+
+def packed_weights(model) -> list[PackedWeight]:
+    """The model's packed matrices in the order a forward multiplies them."""
+    ws = [m.weight for layer in model.layers
+          for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    ws.append((model.embed_tokens if model.lm_head is None else model.lm_head).weight)
+    return [w for w in ws if isinstance(w, PackedWeight)]
+
+
+def max_rel_err(ext, xs, ws) -> float:
+    """Largest |y - y64| / (|x| @ |w|^T) over the first layer's matrices and the LM head."""
+    err = 0.0
+    for x, w in list(zip(xs, ws))[:4] + [(xs[-1], ws[-1])]:
+        wd = w.dequantize().double()
+        y = ext.packed_linear(x, w.data, w.qtype, w.in_features).double()
+        err = max(err, float(((y - x.double() @ wd.T).abs() / (x.double().abs() @ wd.abs().T).clamp_min(1e-30)).max()))
+    return err
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--rows", default="1,2,3,5,8,16", help="activation rows M, comma-separated")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--baseline", type=Path, help="another checkout's minispec/kernels directory, built beside this one")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    builds = {"this": ops()}
+    if builds["this"] is None:
+        raise SystemExit("the C++ kernels could not be built here")
+    if args.baseline:
+        srcs = [args.baseline / s.name for s in SOURCES]
+        if missing := [str(s) for s in srcs if not s.is_file()]:
+            raise SystemExit(f"--baseline: missing {', '.join(missing)}")
+        builds["baseline"] = build_cpp("cpu_baseline", srcs, CFLAGS, "the baseline's kernels")
+    model = load_model(args.target, dtype=torch.float32, device="cpu", packed=True).model
+    ws = packed_weights(model)
+    if not ws:
+        raise SystemExit(f"{args.target} has no packed weights (load a .gguf)")
+    nbytes = sum(w.data.numel() for w in ws)
+    print(f"{args.target}: {len(ws)} packed matrices, {nbytes / 1e6:.1f} MB; ISA {builds['this'].PACKED_ISA}, "
+          f"{args.threads} threads")
+    g = torch.Generator().manual_seed(0)
+    for M in (int(r) for r in args.rows.split(",")):
+        xs = [torch.randn(M, w.in_features, generator=g) for w in ws]
+        times = {name: [] for name in builds}
+        for _ in range(args.reps):
+            for name, ext in builds.items():
+                t = time.perf_counter()
+                for x, w in zip(xs, ws):
+                    ext.packed_linear(x, w.data, w.qtype, w.in_features)
+                times[name].append(time.perf_counter() - t)
+        macs = M * sum(w.shape[0] * w.shape[1] for w in ws)
+        cols = []
+        for name, ext in builds.items():
+            s = statistics.median(times[name])
+            cols.append(f"{name} {s * 1e3:7.2f} ms {macs / s / 1e9:5.1f} GMAC/s {nbytes / s / 1e9:5.1f} GB/s "
+                        f"err {max_rel_err(ext, xs, ws):.1e}")
+        if "baseline" in builds:
+            cols.append(f"this / baseline {statistics.median(times['this']) / statistics.median(times['baseline']):.2f}x")
+        print(f"M={M:3d}  " + "  |  ".join(cols), flush=True)
+
+
+if __name__ == "__main__":
+    main()
