@@ -27,6 +27,9 @@ namespace {
 // GGML type ids (ggml.h).
 constexpr int64_t F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30;
 constexpr int64_t GROUP = 32;
+// Bytes per block of a block type (the SIMD paths' template argument).
+template <int64_t QT>
+constexpr int64_t GB = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -188,10 +191,18 @@ inline __m256 block_dot(const __m256 w[4], const __m256 x[4]) {
                        _mm256_fmadd_ps(w[3], x[3], _mm256_mul_ps(w[2], x[2])));
 }
 
-// Part g of a prefetch of `lines` cache lines from p, per_block lines per part.
-inline void prefetch_part(const char* p, int64_t lines, int64_t per_block, int64_t g) {
-  for (int64_t i = g * per_block; i < std::min(lines, (g + 1) * per_block); i++) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
-}
+// A software prefetch of `bytes` bytes from p spread over the G blocks of a loop: part(g) fetches block g's
+// share of the cache lines (measured: half the time of a decode step's GEMVs, whose weights stream from
+// memory).
+struct Prefetch {
+  const char* p;
+  int64_t lines, per_block;
+  Prefetch(const uint8_t* p, int64_t bytes, int64_t G)
+      : p(reinterpret_cast<const char*>(p)), lines((bytes + 63) / 64), per_block(((bytes + 63) / 64 + G - 1) / G) {}
+  void part(int64_t g) const {
+    for (int64_t i = g * per_block; i < std::min(lines, (g + 1) * per_block); i++) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
+  }
+};
 
 // RT activation rows x (stride ldx) against one packed row of G blocks: out[r * ldo] for each r.
 // Each block is dequantised once for the RT rows, rounded as gguf rounds it (d * q, then + m): the
@@ -199,18 +210,16 @@ inline void prefetch_part(const char* p, int64_t lines, int64_t per_block, int64
 // accumulators per row up to 5 rows (shorter chains), one beyond (registers).
 template <int64_t QT, int RT>
 inline void block_row_dot(const uint8_t* row, int64_t G, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  constexpr int64_t GB = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
   constexpr int A = RT <= 5 ? 2 : 1;
   __m256 acc[RT][A];
   for (int r = 0; r < RT; r++)
     for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
-  const char* ahead = reinterpret_cast<const char*>(row + 2 * G * GB);  // the row after next
-  const int64_t lines = (G * GB + 63) / 64, per_block = (lines + G - 1) / G;
+  const Prefetch ahead(row + 2 * G * GB<QT>, G * GB<QT>, G);  // the row after next
   for (int64_t g = 0; g < G; g++) {
-    prefetch_part(ahead, lines, per_block, g);
+    ahead.part(g);
     __m256 w[4];
     float d, m;
-    load_block<QT>(row + g * GB, w, d, m);
+    load_block<QT>(row + g * GB<QT>, w, d, m);
     const __m256 dg = _mm256_set1_ps(d), mg = _mm256_set1_ps(m);
     for (int i = 0; i < 4; i++) {
       w[i] = _mm256_mul_ps(dg, w[i]);
@@ -229,23 +238,19 @@ inline void block_row_dot(const uint8_t* row, int64_t G, const float* x, int64_t
 template <int64_t QT, int NT>
 inline void block_rows_dot(const uint8_t* rows, int64_t wstride, int64_t G, const float* x, const float* sx,
                            float* out) {
-  constexpr int64_t GB = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
   __m256 acc[NT];
   float macc[NT];
   for (int j = 0; j < NT; j++) { acc[j] = _mm256_setzero_ps(); macc[j] = 0.0f; }
-  // The tile after next spans NT rows of contiguous bytes: prefetch it a few cache lines per block
-  // (measured: half the time of a decode step's GEMVs, whose weights stream from memory).
-  const char* ahead = reinterpret_cast<const char*>(rows + 2 * NT * wstride);
-  const int64_t lines = (NT * wstride + 63) / 64, per_block = (lines + G - 1) / G;
+  const Prefetch ahead(rows + 2 * NT * wstride, NT * wstride, G);  // the tile after next: NT contiguous rows
   for (int64_t g = 0; g < G; g++) {
-    prefetch_part(ahead, lines, per_block, g);
+    ahead.part(g);
     const float* xg = x + g * GROUP;
     const __m256 xv[4] = {_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8), _mm256_loadu_ps(xg + 16),
                           _mm256_loadu_ps(xg + 24)};
     for (int j = 0; j < NT; j++) {
       __m256 w[4];
       float d, m;
-      load_block<QT>(rows + j * wstride + g * GB, w, d, m);
+      load_block<QT>(rows + j * wstride + g * GB<QT>, w, d, m);
       acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), block_dot(w, xv), acc[j]);
       if constexpr (QT == Q4_1) macc[j] += m * sx[g];
     }
@@ -291,12 +296,11 @@ void block_rows(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, 
 // Dequantise rows [begin, end): d * q, then + m, rounded separately as gguf's numpy code rounds them.
 template <int64_t QT>
 void block_dequant(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, float* out) {
-  constexpr int64_t GB = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
   for (int64_t n = begin; n < end; n++) {
     for (int64_t g = 0; g < G; g++) {
       __m256 w[4];
       float d, m;
-      load_block<QT>(wd + n * wstride + g * GB, w, d, m);
+      load_block<QT>(wd + n * wstride + g * GB<QT>, w, d, m);
       const __m256 dg = _mm256_set1_ps(d), mg = _mm256_set1_ps(m);
       float* o = out + (n * G + g) * GROUP;
       for (int i = 0; i < 4; i++) {
@@ -341,17 +345,15 @@ inline void load_block16(const uint8_t* b, __m512& lo, __m512& hi) {
 // block for the NT rows.
 template <int64_t QT, int NT>
 inline void rows_dot_512(const uint8_t* rows, int64_t wstride, int64_t G, const float* x, const float* sx, float* out) {
-  constexpr int64_t GB = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
   __m512 acc[NT];
   float macc[NT];
   for (int j = 0; j < NT; j++) { acc[j] = _mm512_setzero_ps(); macc[j] = 0.0f; }
-  const char* ahead = reinterpret_cast<const char*>(rows + 2 * NT * wstride);  // the tile after next
-  const int64_t lines = (NT * wstride + 63) / 64, per_block = (lines + G - 1) / G;
+  const Prefetch ahead(rows + 2 * NT * wstride, NT * wstride, G);  // the tile after next
   for (int64_t g = 0; g < G; g++) {
-    prefetch_part(ahead, lines, per_block, g);
+    ahead.part(g);
     const __m512 xlo = _mm512_loadu_ps(x + g * GROUP), xhi = _mm512_loadu_ps(x + g * GROUP + 16);
     for (int j = 0; j < NT; j++) {
-      const uint8_t* b = rows + j * wstride + g * GB;
+      const uint8_t* b = rows + j * wstride + g * GB<QT>;
       __m512 p;
       if constexpr (QT == Q8_0) {
         p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), xlo);
@@ -378,16 +380,14 @@ inline void rows_dot_512(const uint8_t* rows, int64_t wstride, int64_t G, const 
 template <int64_t QT, int NT, int RT, bool PREFETCH = true>
 inline void tile_dot_512(const uint8_t* rows, int64_t wstride, int64_t G, const float* x, int64_t ldx, float* out,
                          int64_t ldo) {
-  constexpr int64_t GB = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
   __m512 acc[RT][NT];
   for (int r = 0; r < RT; r++)
     for (int j = 0; j < NT; j++) acc[r][j] = _mm512_setzero_ps();
-  const char* ahead = reinterpret_cast<const char*>(rows + 2 * NT * wstride);  // the tile after next
-  const int64_t lines = (NT * wstride + 63) / 64, per_block = (lines + G - 1) / G;
+  const Prefetch ahead(rows + 2 * NT * wstride, NT * wstride, G);  // the tile after next
   for (int64_t g = 0; g < G; g++) {
-    if (PREFETCH) prefetch_part(ahead, lines, per_block, g);
+    if (PREFETCH) ahead.part(g);
     __m512 lo[NT], hi[NT];
-    for (int j = 0; j < NT; j++) load_block16<QT>(rows + j * wstride + g * GB, lo[j], hi[j]);
+    for (int j = 0; j < NT; j++) load_block16<QT>(rows + j * wstride + g * GB<QT>, lo[j], hi[j]);
     for (int r = 0; r < RT; r++) {
       const float* xg = x + r * ldx + g * GROUP;
       const __m512 xlo = _mm512_loadu_ps(xg), xhi = _mm512_loadu_ps(xg + 16);
