@@ -32,6 +32,31 @@ def test_add_rms_norm(shape):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 8, 49152, 49157])
+def test_greedy_argmax_equals_torch(vocab):
+    """greedy_argmax == (argmax of the sanitised logits, isfinite(amax)) exactly: ties go to the first index, NaN
+    counts as -inf, +inf as the largest float32; rows with NaN, +inf, only -inf, ties across lanes and the tail."""
+    from minispec.sample.sampler import _sanitize
+
+    g = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=g) for _ in range(4)]
+    rows.append(torch.full((vocab,), float("-inf")))
+    rows.append(torch.full((vocab,), float("nan")))
+    for special in (float("nan"), float("inf"), float("-inf"), 3.0e38):
+        r = torch.randn(vocab, generator=g)
+        r[torch.randint(0, vocab, (max(1, vocab // 3),), generator=g)] = special
+        rows.append(r)
+    r = torch.randint(0, 3, (vocab,), generator=g).float()  # many ties of the maximum, in every lane
+    rows.append(r)
+    r = torch.zeros(vocab)
+    r[-1] = 1.0  # the maximum in the tail
+    rows.append(r)
+    logits = torch.stack(rows)
+    tokens, finite = cpu.ops().greedy_argmax(logits)
+    assert torch.equal(tokens, _sanitize(logits).argmax(dim=-1))
+    assert torch.equal(finite, torch.isfinite(logits.amax(dim=-1)))
+
+
 @pytest.mark.parametrize("shape", [(1, 3072), (4, 3, 34)])
 def test_silu_mul(shape):
     gate_up = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 8

@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent / "minispec"
 # (or from its own package). spec_decode sits below engine, runner below both, the tools above the facade.
 LAYERS = {
     "utils": 0, "sampling_params": 0, "distributed": 0, "data": 0,
-    "kernels": 1, "sample": 1,
-    "layers": 2,
+    "kernels": 1,
+    "sample": 2, "layers": 2,
     "models": 3,
     "runner": 4,
     "spec_decode": 5,

@@ -149,6 +149,11 @@ def test_narrower_builds_equal_float32_layer(isa, flags):
             assert rel_err(ext.packed_linear(x, w.data, w.qtype, 96), F.linear(x, torch.from_numpy(ref))) < 1e-5, \
                 (name, rows)
         assert torch.equal(ext.packed_dequantize(w.data, w.qtype, 96), torch.from_numpy(ref))
+    logits = torch.randn(3, 1001)
+    logits[1, ::7], logits[2, 500] = float("nan"), float("inf")
+    tokens, finite = ext.greedy_argmax(logits)  # fused_cpu.cpp's, built the same way
+    assert torch.equal(tokens, torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1))
+    assert finite.tolist() == [True, False, False]
 
 
 @pytest.mark.parametrize("name", list(TYPES))

@@ -57,6 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_dequantize", &packed_dequantize, "packed w [N, K] -> f32 [N, K]");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) (or RMSNorm(x) without a residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [.., gate | up]");
+  m.def("greedy_argmax", &greedy_argmax, "(argmax, finite) of each row: NaN as -inf, +inf as the largest float");
   m.def("rope_cache_attend", &rope_cache_attend, "RoPE, KV cache write and attention for short queries");
   m.def("decode_layers", &decode_layers, "every decoder layer over a short forward, in one call");
 }

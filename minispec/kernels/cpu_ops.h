@@ -13,6 +13,7 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
 torch::Tensor packed_dequantize(torch::Tensor w, int64_t qtype, int64_t K);
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+std::vector<torch::Tensor> greedy_argmax(torch::Tensor logits);
 torch::Tensor rope_cache_attend(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor k_cache,
                                 torch::Tensor v_cache, torch::Tensor write_index, torch::Tensor positions,
                                 torch::Tensor read_slots, int64_t n_heads, int64_t n_kv_heads, double scale);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -156,6 +157,67 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
     }
   });
   return out;
+}
+
+// logits [N, V] -> (tokens [N] int64, finite [N] bool): each row's argmax, the first index on ties, NaN
+// counting as -inf and +inf as the largest float32 (sampler.py's greedy_tokens); finite: the row holds no NaN
+// or +inf and some value above -inf. One pass over the row; torch's argmax takes about 10x as long here.
+std::vector<torch::Tensor> greedy_argmax(torch::Tensor logits) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [N, V] with V > 0");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  auto tokens = torch::empty({N}, logits.options().dtype(torch::kInt64));
+  auto finite = torch::empty({N}, logits.options().dtype(torch::kBool));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  bool* fp = finite.data_ptr<bool>();
+  const float big = std::numeric_limits<float>::max(), ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / V), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* row = lp + n * V;
+      float best = ninf;
+      int64_t at = 0, i = 0;
+      bool nan = false, pinf = false;
+#ifdef MS_AVX2
+      // 8 lanes: lane l keeps the first maximum among elements i = l (mod 8), then the lanes are merged.
+      __m256 bv = _mm256_set1_ps(ninf), flags_nan = _mm256_setzero_ps(), flags_inf = _mm256_setzero_ps();
+      __m256i bi = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256 vbig = _mm256_set1_ps(big), vninf = _mm256_set1_ps(ninf), vpinf = _mm256_set1_ps(-ninf);
+      const __m256i step = _mm256_set1_epi32(8);
+      if (V < (int64_t(1) << 31)) {
+        for (; i + 8 <= V; i += 8) {
+          const __m256 v = _mm256_loadu_ps(row + i);
+          const __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q), isinf = _mm256_cmp_ps(v, vpinf, _CMP_EQ_OQ);
+          flags_nan = _mm256_or_ps(flags_nan, isnan);
+          flags_inf = _mm256_or_ps(flags_inf, isinf);
+          const __m256 sv = _mm256_blendv_ps(_mm256_min_ps(v, vbig), vninf, isnan);  // NaN -> -inf, +inf -> max
+          const __m256 gt = _mm256_cmp_ps(sv, bv, _CMP_GT_OQ);
+          bv = _mm256_blendv_ps(bv, sv, gt);
+          bi = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bi), _mm256_castsi256_ps(idx), gt));
+          idx = _mm256_add_epi32(idx, step);
+        }
+        alignas(32) float lv[8];
+        alignas(32) int32_t li[8];
+        _mm256_store_ps(lv, bv);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(li), bi);
+        for (int l = 0; l < 8; l++)
+          if (lv[l] > best || (lv[l] == best && li[l] < at && lv[l] > ninf)) { best = lv[l]; at = li[l]; }
+        nan = _mm256_movemask_ps(flags_nan) != 0;
+        pinf = _mm256_movemask_ps(flags_inf) != 0;
+      }
+#endif
+      for (; i < V; ++i) {
+        const float v = row[i];
+        if (std::isnan(v)) { nan = true; continue; }
+        if (v == -ninf) pinf = true;
+        const float sv = std::min(v, big);
+        if (sv > best) { best = sv; at = i; }
+      }
+      tp[n] = at;
+      fp[n] = !nan && !pinf && best > ninf;
+    }
+  });
+  return {tokens, finite};
 }
 
 // gate_up [N, 2 I] (gate | up) -> silu(gate) * up [N, I].

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 import torch
 
+from minispec.kernels import cpu
 from minispec.sampling_params import SamplingParams
 
 # Exp(1) noise is clamped into this range so probs / noise never divides by 0 or by inf.
@@ -38,6 +39,16 @@ def _sanitize(logits: torch.Tensor) -> torch.Tensor:
     """float32 copy with NaN -> -inf and +inf -> the largest float32 (so softmax never sees inf - inf)."""
     return torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max,
                             neginf=float("-inf"))
+
+
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax [N] of logits [N, V] (the first on ties; NaN counting as -inf, +inf as the largest
+    float32), and whether the row is finite [N] (no NaN or +inf, some value above -inf): one pass of the C++
+    kernel on CPU (torch's argmax alone takes 10x as long over a 49k vocabulary)."""
+    if logits.dim() == 2 and cpu.applies(logits):
+        tokens, finite = cpu.ops().greedy_argmax(logits)
+        return tokens, finite
+    return _sanitize(logits).argmax(dim=-1), torch.isfinite(logits.amax(dim=-1))
 
 
 def _divide(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

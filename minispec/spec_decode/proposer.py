@@ -9,7 +9,7 @@ import torch
 from minispec.distributed import get_tp_group, from_owners, to_owners
 from minispec.runner.model_runner import ModelRunner
 from minispec.sample.random import RequestRandom, uniforms
-from minispec.sample.sampler import BatchSampling, probs_from_logits, sample_inverse_cdf
+from minispec.sample.sampler import BatchSampling, greedy_tokens, probs_from_logits, sample_inverse_cdf
 from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 
@@ -84,7 +84,7 @@ class DraftModelProposer:
             logits = to_owners(tp, logits, owners)[:, :vocab] if sharded else logits  # [num_mine, V]
             cache.write(rows, j, logits)
             if sampling.greedy:
-                tok = logits.argmax(dim=-1)
+                tok = greedy_tokens(logits)[0]
             else:
                 probs = probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
                 tok = sample_inverse_cdf(probs, u_mine[:, j])

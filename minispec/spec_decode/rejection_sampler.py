@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from minispec.sample.sampler import NOISE_MAX, NOISE_MIN, _sanitize, probs_from_logits, sample
+from minispec.sample.sampler import NOISE_MAX, NOISE_MIN, greedy_tokens, probs_from_logits, sample
 from minispec.utils import load_triton
 from minispec.utils import use_triton as _use_triton
 
@@ -152,7 +152,7 @@ def greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, max_drafts:
     num_logits, vocab = target_logits.shape
     device = target_logits.device
     num_reqs = cu_num_logits.shape[0] - 1
-    argmax = _sanitize(target_logits).argmax(dim=-1)  # [num_logits]
+    argmax = greedy_tokens(target_logits)[0]  # [num_logits]
     valid = _valid_drafts(draft_tokens, stale, cu_num_logits, vocab)  # [num_logits]
     pos = torch.arange(max_drafts + 1, device=device)
     lpos = (cu_num_logits[:-1].unsqueeze(1) + pos).clamp(max=max(num_logits - 1, 0))  # [num_reqs, K + 1]
