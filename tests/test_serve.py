@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from minispec.engine.observer import Observer
 from minispec.tools.tiny import make_tiny_char_model_dir
 
 openai = pytest.importorskip("openai")
@@ -27,12 +28,12 @@ def model_dirs(tmp_path_factory):
 
 
 @contextmanager
-def serving(target, draft, k=3, max_num_seqs=16, **server_kw):
+def serving(target, draft, k=3, max_num_seqs=16, observer=None, **server_kw):
     """An in-process server on 127.0.0.1 and a free port; yields (server, base url)."""
     from minispec.llm import LLM
     from minispec.serve.app import OpenAIServer
 
-    llm = LLM(target=target, draft=draft, num_speculative_tokens=k, max_num_seqs=max_num_seqs)
+    llm = LLM(target=target, draft=draft, num_speculative_tokens=k, max_num_seqs=max_num_seqs, observer=observer)
     server = OpenAIServer(llm, "tiny", **server_kw)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -215,9 +216,20 @@ def test_bad_input_gets_one_line_openai_errors_and_the_server_keeps_serving(serv
     assert wait_idle(srv) == idle_state()
 
 
+class SlowSteps(Observer):
+    """An observer that makes every engine step last at least `seconds`: a long request outlasts a client's
+    timeout on any machine (the tiny model runs its whole context in well under a second)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_step(self, step) -> None:
+        time.sleep(max(0.0, self.seconds - step.step_s))
+
+
 def test_api_key_and_bounded_queue(model_dirs):
     """2 slots + a queue of 1: a fourth request in flight gets 429 with Retry-After; no key gets 401."""
-    with serving(*model_dirs, max_num_seqs=2, max_queue=1, api_key="sekret") as (srv, url):
+    with serving(*model_dirs, max_num_seqs=2, max_queue=1, api_key="sekret", observer=SlowSteps(0.01)) as (srv, url):
         with pytest.raises(openai.AuthenticationError):
             client(url).completions.create(model="tiny", prompt="hi", max_tokens=2)
         with pytest.raises(openai.AuthenticationError):
