@@ -81,6 +81,9 @@ MUTANTS = [
            "    stale = reads_cache & ((row < 0) | (last_slot != slot))", "    stale = reads_cache & (row < -1)",
            ("tests/test_draft_logits.py", "-k", "kernels_match_torch")),
     # ---- the engine
+    Mutant("greedy requests without drafts: NaN logits never end them", "minispec/engine/verify.py",
+           "torch.zeros(n, dtype=torch.int64), ~finite.cpu())", "torch.zeros(n, dtype=torch.int64), finite.cpu() & False)",
+           ("tests/test_engine.py::test_nan_logits_end_one_request_others_continue",)),
     Mutant("no KV rollback of the draft", ENGINE,
            "            r.num_draft_computed = min(r.num_draft_computed, r.num_computed)\n", "",
            ("tests/test_engine.py::test_draft_logits_are_the_draft_models_on_the_accepted_context",)),

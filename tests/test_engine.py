@@ -234,8 +234,11 @@ def test_ngram_draft_through_llm(target_dir, hf_greedy):
     assert out.metrics["num_draft_tokens"] > 0
 
 
-def test_nan_logits_end_one_request_others_continue(target_dir, draft_dir, hf_greedy):
-    llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=2, max_num_seqs=4)
+@pytest.mark.parametrize("with_draft", [True, False], ids=["draft", "target-only"])
+def test_nan_logits_end_one_request_others_continue(target_dir, draft_dir, hf_greedy, with_draft):
+    """A request whose target logits turn NaN ends with an error; with the draft, or target-only (greedy
+    requests without drafts take verify's argmax shortcut)."""
+    llm = LLM(target=target_dir, draft=draft_dir if with_draft else None, num_speculative_tokens=2, max_num_seqs=4)
     runner = llm.engine.target
     forward = runner.forward
     poisoned = {}
