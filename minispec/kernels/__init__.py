@@ -27,9 +27,12 @@ def build_cpp(name: str, sources: list[Path], cflags: list[str], what: str):
     try:
         from torch.utils.cpp_extension import load
 
-        # Source, flags and CPU in the name: each version builds once, and checkouts do not rebuild each other's.
+        # Source, flags, CPU and the sources' directory in the name: each version builds once, and checkouts do
+        # not rebuild each other's (torch's ninja file names the source paths: another checkout's build of the
+        # same name is rebuilt from scratch).
         text = b"".join(s.read_bytes() for s in sources)
-        digest = hashlib.sha256(text + " ".join(cflags).encode() + _cpu_identity()).hexdigest()[:10]
+        where = str(Path(sources[0]).resolve().parent).encode()
+        digest = hashlib.sha256(text + " ".join(cflags).encode() + _cpu_identity() + where).hexdigest()[:10]
         return load(name=f"minispec_{name}_{digest}", sources=[str(s) for s in sources if s.suffix == ".cpp"],
                     extra_cflags=cflags,
                     extra_ldflags=["-fopenmp"], verbose=False)
