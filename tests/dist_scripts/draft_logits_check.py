@@ -8,7 +8,6 @@ TRITON_INTERPRET=1 a second cache runs the Triton kernels in lockstep and must a
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +17,7 @@ from minispec.engine.input_batch import InputBatch
 from minispec.spec_decode import draft_logits
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 from minispec.utils import cdiv
+from tests.dist_scripts.leave import leave
 
 MAX_NUM_REQS = 7
 NUM_STEPS = 3
@@ -204,10 +204,6 @@ def main() -> int:
     group.all_reduce(num_errors)
     for e in errors[:20]:
         print(e, flush=True)
-    # Tear the group down before exit: gloo can abort in its destructors otherwise.
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     if num_errors.item():
         print(f"rank {rank}: FAILED ({len(errors)} here, {num_errors.item()} in all)", flush=True)
         return 1
@@ -216,4 +212,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

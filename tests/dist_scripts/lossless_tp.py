@@ -12,6 +12,7 @@ import sys
 
 from minispec import LLM, SamplingParams
 from minispec.distributed import init_distributed
+from tests.dist_scripts.leave import leave
 
 
 def main() -> None:
@@ -31,3 +32,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave(0)

@@ -15,6 +15,7 @@ from minispec.distributed import TPGroup, init_distributed
 from minispec.runner.kv_cache import KVCache
 from minispec.layers.attention import ForwardBatch
 from minispec.models.loader import load_model
+from tests.dist_scripts.leave import leave
 
 ATOL = 1e-5
 
@@ -66,14 +67,11 @@ def main() -> None:
             assert torch.equal(torch.isinf(part), torch.isinf(expected))
             fin = torch.isfinite(expected)
             worst = max(worst, (part[fin] - expected[fin]).abs().max().item())
-    # Tear the group down before exit: gloo can abort in its destructors otherwise.
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     if worst > ATOL:
         print(f"rank {rank}/{n}: FAIL max abs diff {worst:.3e} > {ATOL}", flush=True)
-        sys.exit(1)
+        leave(1)
     print(f"rank {rank}/{n}: OK max abs diff {worst:.3e}", flush=True)
+    leave(0)
 
 if __name__ == "__main__":
     main()
