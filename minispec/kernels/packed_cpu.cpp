@@ -398,18 +398,21 @@ inline void tile_dot_512(const uint8_t* rows, int64_t wstride, int64_t G, const 
     for (int j = 0; j < NT; j++) out[r * ldo + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-// One tile of NT weight rows against rows [r, r + rt) of x, rt < 8: rt as a template argument.
+// One tile of NT weight rows against rows [r, r + rt) of x, rt < 8 (rt < 6 for NT = 4, whose 4 x 6 accumulators
+// would not fit the registers; tiles_512 never asks for them): rt as a template argument.
 template <int64_t QT, int NT, bool PREFETCH>
 inline void tile_dot_512_rt(int64_t rt, const uint8_t* rows, int64_t wstride, int64_t G, const float* x, int64_t ldx,
                             float* out, int64_t ldo) {
+  if constexpr (NT <= 2) {
+    if (rt == 6) return tile_dot_512<QT, NT, 6, PREFETCH>(rows, wstride, G, x, ldx, out, ldo);
+    if (rt == 7) return tile_dot_512<QT, NT, 7, PREFETCH>(rows, wstride, G, x, ldx, out, ldo);
+  }
   switch (rt) {
     case 1: return tile_dot_512<QT, NT, 1, PREFETCH>(rows, wstride, G, x, ldx, out, ldo);
     case 2: return tile_dot_512<QT, NT, 2, PREFETCH>(rows, wstride, G, x, ldx, out, ldo);
     case 3: return tile_dot_512<QT, NT, 3, PREFETCH>(rows, wstride, G, x, ldx, out, ldo);
     case 4: return tile_dot_512<QT, NT, 4, PREFETCH>(rows, wstride, G, x, ldx, out, ldo);
     case 5: return tile_dot_512<QT, NT, 5, PREFETCH>(rows, wstride, G, x, ldx, out, ldo);
-    case 6: return tile_dot_512<QT, NT, 6, PREFETCH>(rows, wstride, G, x, ldx, out, ldo);
-    case 7: return tile_dot_512<QT, NT, 7, PREFETCH>(rows, wstride, G, x, ldx, out, ldo);
   }
 }
 
