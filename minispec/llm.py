@@ -14,13 +14,15 @@ from minispec.engine.engine import Engine, EngineConfig
 from minispec.engine.observer import Observer
 from minispec.engine.request import Request
 from minispec.layers.quant import PackedWeight
-from minispec.models.loader import LoadedModel, load_model
+from minispec.models.eagle import EagleHead, is_head_checkpoint, load_head
+from minispec.models.loader import SHIPPED_DRAFTS, LoadedModel, load_model
 from minispec.models.quantize import check_quantization, has_packed, is_self_draft, quantize_model, self_draft, \
     shallow_copy
 from minispec.runner.model_runner import ModelRunner
 from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.adaptive import AdaptiveK
 from minispec.spec_decode.costs import MeasuredCosts
+from minispec.spec_decode.head import HeadProposer, HeadRunner
 from minispec.spec_decode.ngram import NgramProposer
 from minispec.spec_decode.proposer import DraftModelProposer
 from minispec.utils import parse_dtype
@@ -182,7 +184,11 @@ class LLM:
         self.draft = None
         k = num_speculative_tokens if draft is not None else 0
         max_len = min(max_model_len or 2048, self.target.max_model_len)
-        if is_self_draft(draft):
+        head = _head(draft, self.target)
+        if head is not None:
+            if draft_dtype is not None:
+                raise ValueError("a draft head runs in float32 (packed with draft_quantization); drop draft_dtype")
+        elif is_self_draft(draft):
             self.draft = self_draft(self.target, draft)
         elif draft is not None and draft != "ngram":
             self.draft = _loaded(draft, draft_torch_dtype, self.device, packed, draft_quantization)
@@ -197,7 +203,10 @@ class LLM:
         kv_len = max_len + k + 1
         target_runner = ModelRunner(self.target.model, max_num_seqs, kv_len, dtype=torch_dtype, device=self.device)
         proposer = None
-        if draft == "ngram":
+        if head is not None:
+            head_runner = HeadRunner(head, self.target.model, max_num_seqs, kv_len, self.device, draft_quantization)
+            proposer = HeadProposer(head_runner, target_runner, k)
+        elif draft == "ngram":
             proposer = NgramProposer(k, *ngram_n, device=self.device)
         elif self.draft is not None:
             # A self-draft with every layer reads and extends the target's KV cache: no draft prefill.
@@ -207,11 +216,14 @@ class LLM:
             proposer = DraftModelProposer(draft_runner, k, shares_target_kv=shared)
         if adaptive_k and proposer is not None:
             # Draft and verify costs measured on these models at each batch-size bucket, now (before serving).
-            costs = MeasuredCosts(self.target.model, "ngram" if self.draft is None else self.draft.model, k,
-                                  max_num_seqs, self.target.vocab_size, torch_dtype, self.device, repeats=1)
+            measured = head_runner if head is not None else "ngram" if self.draft is None else self.draft.model
+            costs = MeasuredCosts(self.target.model, measured, k, max_num_seqs, self.target.vocab_size, torch_dtype,
+                                  self.device, repeats=1)
             # Seeded requests choose their own k on the roofline instead (reproducible): a draft step costs
             # the draft's parameter bytes over the target's, verification is free.
-            c = 0.0 if self.draft is None else param_bytes(self.draft.model) / param_bytes(self.target.model)
+            draft_bytes = head_runner.weights.nbytes() if head is not None else \
+                0 if self.draft is None else param_bytes(self.draft.model)
+            c = draft_bytes / param_bytes(self.target.model)
             if tp.world_size > 1:  # every rank must choose the same k: rank 0's ratio
                 c = float(tp.broadcast(torch.tensor([c], dtype=torch.float64, device=self.device)).item())
             k_policy = AdaptiveK(k, cost_model=costs, seeded_costs=(c, None))
@@ -326,6 +338,15 @@ class LLM:
         if len(sp) != n:
             raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
         return sp
+
+
+def _head(draft, target: LoadedModel) -> EagleHead | None:
+    """The draft head that `draft` names (an EagleHead, a head checkpoint directory or a shipped head's name), else None."""
+    if isinstance(draft, EagleHead):
+        return draft
+    if isinstance(draft, str) and draft.lower() in SHIPPED_DRAFTS:
+        draft = str(SHIPPED_DRAFTS[draft.lower()])
+    return load_head(draft, target.config) if is_head_checkpoint(draft) else None
 
 
 def param_bytes(model: torch.nn.Module) -> int:

@@ -208,7 +208,8 @@ def test_smollm2_alias_matches_transformers(smollm2):
 @pytest.mark.parametrize("kind", ["dense", "Q4_1", "Q8_0"])
 def test_decode_layers_equals_layer_by_layer(kind, tmp_path):
     """kernels/cpu_ops.cpp's decode_layers (every layer in one C++ call) gives the same floats as the
-    op-by-op Python path (torch.equal): decode (1 token), verify (5), a padded batch (2 x 3) and 2 x 8."""
+    op-by-op Python path (torch.equal): decode (1 token), verify (5), a padded batch (2 x 3) and 2 x 8; and so do
+    the hidden states a draft head reads (capture_layers: the embedding, a middle layer's input, the final output)."""
     if kind == "dense":
         path = make_tiny_model_dir(tmp_path, attention_bias=True, mlp_bias=True, seed=4)
     else:
@@ -217,15 +218,23 @@ def test_decode_layers_equals_layer_by_layer(kind, tmp_path):
     if model.cpu_layers() is None:
         pytest.skip("the C++ CPU kernels could not be built")
     runs = []
+    model.capture_layers = (0, 1, model.num_layers)
     for one_call in (True, False):
         layers = model.cpu_layers()
         model.cpu_layers = (lambda: layers) if one_call else (lambda: None)
         kv = new_kv(model)
-        logits = run(model, kv, [0, 1], [0, 0], [prompt(12, 1), prompt(20, 2)])  # prefill (torch path)
-        logits += run(model, kv, [0], [12], [prompt(1, 3)])
-        logits += run(model, kv, [1], [20], [prompt(5, 4)])
-        logits += run(model, kv, [0, 1], [13, 25], [prompt(3, 5), prompt(2, 6)])
-        logits += run(model, kv, [0, 1], [16, 27], [prompt(8, 7), prompt(8, 8)])  # 16 tokens: FUSED_MAX_TOKENS
-        runs.append(logits)
+        out = []
+
+        def step(*args):
+            out.extend(run(model, kv, *args))
+            out.append(model.captured.clone())
+        step([0, 1], [0, 0], [prompt(12, 1), prompt(20, 2)])  # prefill (torch path)
+        step([0], [12], [prompt(1, 3)])
+        step([1], [20], [prompt(5, 4)])
+        step([0, 1], [13, 25], [prompt(3, 5), prompt(2, 6)])
+        step([0, 1], [16, 27], [prompt(8, 7), prompt(8, 8)])  # 16 tokens: FUSED_MAX_TOKENS
+        runs.append(out)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+    assert torch.equal(runs[0][-1][..., : model.hidden_size],
+                       model.embed_tokens(torch.tensor([prompt(8, 7), prompt(8, 8)])))

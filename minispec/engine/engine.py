@@ -142,8 +142,7 @@ class Engine:
 
     def _forward_s(self) -> float:
         """Seconds the target and draft models have spent in forwards so far."""
-        draft = getattr(self.proposer, "runner", None)
-        return self.target.forward_s + (draft.forward_s if draft is not None else 0.0)
+        return self.target.forward_s + (self.proposer.forward_s if self.proposer is not None else 0.0)
 
     def _accept(self, verified: list[ScheduledRequest], verdict: Verdict) -> list[StepOutput]:
         """Append each verified request's accepted drafts and sampled token; roll caches back; finish."""

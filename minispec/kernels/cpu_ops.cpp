@@ -23,22 +23,37 @@ torch::Tensor layer_linear(const torch::Tensor& x, const std::vector<torch::Tens
 // h [T, H]: the tokens' embeddings, consumed as the residual stream. Per layer l: weights and
 // biases 4l..4l+3 are qkv, o, gate|up, down (an empty bias tensor: none), norms 2l and 2l + 1 the
 // input and post-attention RMSNorm weights; norms[2 * layers] is the final norm. The attention
-// arguments are rope_cache_attend's. Returns the final normed hidden states [T, H].
+// arguments are rope_cache_attend's. captured [T, C * H] (or empty) receives the residual stream entering each
+// layer capture[c] (capture[c] == layers: the final normed output) in columns c * H ..; models/llama.py
+// LlamaForCausalLM.forward captures the same floats. Returns the final normed hidden states [T, H].
 torch::Tensor decode_layers(torch::Tensor h, const std::vector<torch::Tensor>& weights,
                             const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases,
                             const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& k_caches,
                             const std::vector<torch::Tensor>& v_caches, torch::Tensor cos_sin,
                             torch::Tensor write_index, torch::Tensor positions, torch::Tensor read_slots,
-                            int64_t n_heads, int64_t n_kv_heads, double scale, double eps) {
+                            int64_t n_heads, int64_t n_kv_heads, double scale, double eps,
+                            const std::vector<int64_t>& capture, torch::Tensor captured) {
   const size_t layers = k_caches.size();
   TORCH_CHECK(layers > 0 && v_caches.size() == layers && weights.size() == 4 * layers &&
                   qtypes.size() == weights.size() && biases.size() == weights.size() && norms.size() == 2 * layers + 1,
               "decode_layers: 4 weights, 4 biases, 2 norms and 2 caches per layer, and a final norm");
   TORCH_CHECK(h.dim() == 2, "decode_layers: h must be [T, H]");
+  const int64_t H = h.size(1);
+  TORCH_CHECK(capture.empty() || (captured.dim() == 2 && captured.size(0) == h.size(0) &&
+                                  captured.size(1) == H * static_cast<int64_t>(capture.size())),
+              "decode_layers: captured must be [T, len(capture) * H]");
+  auto keep = [&](size_t l, const torch::Tensor& stream) {
+    for (size_t c = 0; c < capture.size(); c++)
+      if (capture[c] == static_cast<int64_t>(l)) captured.narrow(1, c * H, H).copy_(stream);
+  };
+  keep(0, h);
   torch::Tensor residual = h;
   torch::Tensor x = add_rms_norm(h, c10::nullopt, norms[0], eps), mlp;
   for (size_t l = 0; l < layers; l++) {
-    if (l > 0) x = add_rms_norm(mlp, residual, norms[2 * l], eps);
+    if (l > 0) {
+      x = add_rms_norm(mlp, residual, norms[2 * l], eps);
+      keep(l, residual);
+    }
     const torch::Tensor qkv = layer_linear(x, weights, qtypes, biases, 4 * l);
     const torch::Tensor attn = rope_cache_attend(qkv, cos_sin, k_caches[l], v_caches[l], write_index, positions,
                                                  read_slots, n_heads, n_kv_heads, scale);
@@ -46,7 +61,9 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<torch::Tensor>& w
     mlp = layer_linear(silu_mul(layer_linear(x, weights, qtypes, biases, 4 * l + 2)), weights, qtypes, biases,
                        4 * l + 3);
   }
-  return add_rms_norm(mlp, residual, norms[2 * layers], eps);
+  torch::Tensor out = add_rms_norm(mlp, residual, norms[2 * layers], eps);
+  keep(layers, out);
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -146,24 +146,44 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config, self.head_dim, device=device)
         self._cpu_layers: tuple | None = None  # decode_layers' weight arguments, built at the first short forward
+        # Hidden states a draft head reads (EAGLE): layer l's entry is the residual stream entering layer l
+        # (l == num_layers: the final normed output). forward() leaves them in `captured` [B, L, len * hidden].
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
-        """Run every token of the batch, writing its K/V at (write_slots, positions); -> [B, L, hidden]."""
+        """Run every token of the batch, writing its K/V at (write_slots, positions); -> [B, L, hidden].
+        With capture_layers set, self.captured holds those layers' hidden states [B, L, len * hidden]."""
         h = self.embed_tokens(batch.input_ids)  # [B, L, hidden]
+        B, L, H = h.shape
+        capture = self.capture_layers
+        captured = torch.empty(B, L, len(capture) * H, dtype=h.dtype, device=h.device) if capture else None
+        self.captured = captured
         freqs_cis = self.rotary(batch.positions)  # [B, L, 1, head_dim / 2]
         meta = AttentionMetadata.build(batch, freqs_cis, kv.k[0], self.num_heads // self.num_kv_heads)
         if meta.fused and (layers := self.cpu_layers()):  # every layer in one C++ call, same kernels
-            B, L, H = h.shape
             out = cpu.ops().decode_layers(
                 h.view(B * L, H), *layers, kv.k, kv.v, torch.view_as_real(freqs_cis), meta.write_index,
                 batch.positions, batch.read_slots, self.num_heads, self.num_kv_heads, self.head_dim ** -0.5,
-                self.norm.eps,
+                self.norm.eps, list(capture), captured.view(B * L, -1) if capture else torch.empty(0),
             )  # [B * L, hidden]
             return out.view(B, L, H)
+
+        def keep(layer: int, stream: torch.Tensor) -> None:
+            for c, l in enumerate(capture):
+                if l == layer:
+                    captured[..., c * H : (c + 1) * H] = stream
+
+        keep(0, h)
         residual = None
         for i, layer in enumerate(self.layers):
+            if i > 0 and capture:
+                keep(i, h + residual)
             h, residual = layer(h, residual, meta, kv.k[i], kv.v[i])
-        return self.norm.add_forward(h, residual)[0]
+        out = self.norm.add_forward(h, residual)[0]
+        if capture:
+            keep(self.num_layers, out)
+        return out
 
     def weights_changed(self) -> None:
         """Forget what was built from the weights (decode_layers' arguments); call after replacing any."""

@@ -16,6 +16,9 @@ class ModelRunner:
     def __init__(self, model, num_slots: int, max_len: int, *, dtype: torch.dtype, device: torch.device,
                  kv: KVCache | None = None):
         self.model = model
+        # on_hidden(slots, starts, lens, states): after each forward, when the model captures hidden states
+        # (capture_layers), every fed token's captured states [sum(lens), C] in the order of slots
+        self.on_hidden = None
         self.device = device
         self.max_len = max_len
         self.forward_s = 0.0  # wall seconds spent in forward so far (the device synchronised at the end of each)
@@ -76,6 +79,11 @@ class ModelRunner:
         lens = [len(q) for q in queries]
         hidden = self.model(batch, self.kv)  # [B, L, hidden]
         B, L, H = hidden.shape
+        if self.on_hidden is not None and self.model.captured is not None:
+            sel = [order[j] for j in range(n)]
+            flat = np.concatenate([j * L + np.arange(len(queries[i])) for j, i in enumerate(sel)])
+            states = self.model.captured.view(B * L, -1).index_select(0, torch.from_numpy(flat).to(self.device))
+            self.on_hidden([slots[i] for i in sel], [starts[i] for i in sel], [len(queries[i]) for i in sel], states)
         if order == list(range(n)) and all(k == L for k in num_logits) and all(m == L for m in lens):
             states = hidden.view(B * L, H)  # every token's hidden state, already in request order
         else:  # the hidden states of each request's last num_logits tokens, in request order

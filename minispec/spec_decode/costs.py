@@ -13,6 +13,7 @@ import torch
 from minispec.runner.model_runner import ModelRunner
 from minispec.spec_decode.adaptive import batch_bucket
 from minispec.spec_decode.draft_logits import DraftLogitsCache
+from minispec.spec_decode.head import HeadRunner
 from minispec.spec_decode.ngram import ngram_drafts
 
 
@@ -52,7 +53,8 @@ class CostBench:
     """The target and drafts on a fixed context of `context` tokens in up to max_batch_size slots, ready to time
     at any batch size up to that (measure). The context is prefilled once, when it is built.
 
-    drafts: name -> native draft model, or "ngram" (prompt lookup: n-gram match + one-hot logits write; a
+    drafts: name -> native draft model, a HeadRunner (an EAGLE head: timed on a copy with its own KV cache), or
+    "ngram" (prompt lookup: n-gram match + one-hot logits write; a
     k_max-token lookup counts as k_max drafted tokens).
     """
 
@@ -61,7 +63,9 @@ class CostBench:
                  dtype, device, ngram_n: tuple[int, int] = (1, 3), seed: int = 0):
         self.k_max, self.vocab_size, self.device, self.ngram_n, self.seed = k_max, vocab_size, device, ngram_n, seed
         self.target = _FixedContext(target_model, max_batch_size, context, k_max, vocab_size, dtype, device, seed)
-        self.drafts = {name: model if model == "ngram" else
+        self.context = context
+        self.drafts = {name: model if isinstance(model, str) else
+                       model.copy(max_batch_size, context + k_max + 1) if isinstance(model, HeadRunner) else
                        _FixedContext(model, max_batch_size, context, k_max, vocab_size, getattr(model, "dtype", dtype),
                                      device, seed)
                        for name, model in drafts.items()}
@@ -87,6 +91,9 @@ class CostBench:
             if draft == "ngram":
                 timers[f"draft:{name}"] = _ngram_step(b, k_max, self.vocab_size, target.ids, self.ngram_n, self.device)
                 per_token[name] = k_max
+            elif isinstance(draft, HeadRunner):
+                timers[f"draft:{name}"] = draft.cost_step(b, self.context)
+                per_token[name] = 1
             else:
                 timers[f"draft:{name}"] = lambda draft=draft: draft.step(b, 1)
                 per_token[name] = 1

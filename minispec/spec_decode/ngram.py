@@ -74,6 +74,7 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
         self.device = torch.device(device) if device is not None else None  # None: the cache's device
+        self.forward_s = 0.0  # no model forwards
 
     def propose(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
         """Drafts [num_reqs, k] int64 (-1 = none); writes their one-hot logits to this rank's rows.

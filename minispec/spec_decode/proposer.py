@@ -30,6 +30,7 @@ class Proposer(Protocol):
     draft's pre-temperature logits to the cache rows of the requests this rank owns."""
 
     k: int
+    forward_s: float  # seconds spent in model forwards so far (the engine's step timings)
 
     def propose(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
         """[num_reqs, num_steps] drafts (num_steps defaults to k)."""
@@ -51,26 +52,22 @@ class DraftModelProposer:
         self.k = k
         self.shares_target_kv = shares_target_kv
 
+    @property
+    def forward_s(self) -> float:
+        """Seconds spent in the draft's forwards so far."""
+        return self.runner.forward_s
+
     def propose(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
         """num_steps (default k) batched draft forwards. Under TP each draft step's logits go to the request's owner
         (all-to-all), which caches them and samples the draft token; the tokens are then shared."""
         tp = get_tp_group()
         device = self.runner.device
         vocab = cache.vocab_size
-        slots = np.array([r.slot for r in reqs], dtype=np.int32)
         sharded = cache.row_mapping is not None
-        # A replicated cache keeps every request on every rank: each rank samples all of them.
-        owners = cache.owners_of(slots)[0] if sharded else np.full(len(reqs), tp.rank_in_group)
-        mine = owners == tp.rank_in_group  # [num_reqs]
+        owners, mine, rows = owned(reqs, cache)
         my_reqs = [r for r, m in zip(reqs, mine) if m]
-        rows = cache.rows_of(torch.from_numpy(slots[mine]).long().to(device)).long()  # [num_mine]
         sampling = BatchSampling([r.params for r in my_reqs], device)
-        # Sampled requests draw k uniforms each per proposal, whatever the batch; greedy ones none.
-        u = torch.zeros(len(reqs), self.k)  # [num_reqs, k]
-        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if sampled:
-            u[sampled] = uniforms([reqs[i].random.draft for i in sampled], self.k)
-        u_mine = u[torch.from_numpy(mine)].to(device)
+        u_mine = proposal_uniforms(reqs, self.k)[torch.from_numpy(mine)].to(device)  # [num_mine, k]
         num_steps = self.k if num_steps is None else num_steps
         drafts = np.empty((len(reqs), num_steps), dtype=np.int64)  # [num_reqs, num_steps]
         # Step 0 catches the draft cache up on everything it has not seen (prompt, accepted tokens, bonus).
@@ -83,11 +80,7 @@ class DraftModelProposer:
             logits = self.runner.forward([r.slot for r in reqs], starts, queries, [1] * len(reqs), gather=not sharded)
             logits = to_owners(tp, logits, owners)[:, :vocab] if sharded else logits  # [num_mine, V]
             cache.write(rows, j, logits)
-            if sampling.greedy:
-                tok = greedy_tokens(logits)[0]
-            else:
-                probs = probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-                tok = sample_inverse_cdf(probs, u_mine[:, j])
+            tok = draw_drafts(logits, sampling, u_mine[:, j])
             if sharded:
                 tok = from_owners(tp, tok, owners)
             drafts[:, j] = tok.cpu().numpy()
@@ -100,3 +93,33 @@ class DraftModelProposer:
 
     def free(self, req: Drafting) -> None:
         req.num_draft_computed = 0
+
+
+def owned(reqs: list[Drafting], cache: DraftLogitsCache) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """(owner rank of each request [num_reqs], whether this rank owns it [num_reqs] bool, this rank's cache rows of
+    the requests it owns [num_mine]). A replicated cache keeps every request on every rank."""
+    tp = get_tp_group()
+    slots = np.array([r.slot for r in reqs], dtype=np.int32)
+    sharded = cache.row_mapping is not None
+    owners = cache.owners_of(slots)[0] if sharded else np.full(len(reqs), tp.rank_in_group)
+    mine = owners == tp.rank_in_group
+    rows = cache.rows_of(torch.from_numpy(slots[mine]).long().to(cache.device)).long()
+    return owners, mine, rows
+
+
+def proposal_uniforms(reqs: list[Drafting], k: int) -> torch.Tensor:
+    """[num_reqs, k] host uniforms: k from each sampled request's draft stream per proposal, whatever the batch or the
+    k it drafts; zeros for greedy requests, which draw none."""
+    u = torch.zeros(len(reqs), k)
+    sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if sampled:
+        u[sampled] = uniforms([reqs[i].random.draft for i in sampled], k)
+    return u
+
+
+def draw_drafts(logits: torch.Tensor, sampling: BatchSampling, u: torch.Tensor) -> torch.Tensor:
+    """[n] draft tokens from pre-temperature logits [n, V]: the argmax (all greedy) or one exact draw from each
+    request's warped distribution with its uniform u [n], the q the rejection sampler recomputes from the cache."""
+    if sampling.greedy:
+        return greedy_tokens(logits)[0]
+    return sample_inverse_cdf(probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), u)

@@ -105,3 +105,33 @@ def tiny_model_dir(spec: str, models_dir: str | Path) -> str:
     if not (path / "config.json").is_file():
         make_tiny_model_dir(path, **opts)
     return str(path)
+
+
+def make_tiny_head(target_config, version: int = 3, draft_vocab_size: int | None = None, seed: int = 0,
+                   feature_layers: tuple[int, ...] | None = None):
+    """A random EAGLE head (models/eagle.py) for a tiny target: the target's attention shape, weights N(0, 0.1^2),
+    norm gains 1 + N(0, 0.2^2); EAGLE-3 with a draft vocabulary of the draft_vocab_size token ids a seeded shuffle
+    picks (default: the whole vocabulary, in order)."""
+    from minispec.models.eagle import EagleHead, HeadConfig, aux_layers_default
+
+    c = target_config
+    n = c.num_hidden_layers
+    vocab = c.vocab_size
+    layers = feature_layers or ((n,) if version == 1 else tuple(min(i, n - 1) for i in aux_layers_default(n)))
+    cfg = HeadConfig(version=version, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                     num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                     head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                     rms_norm_eps=c.rms_norm_eps, rope_theta=getattr(c, "rope_theta", 10000.0), vocab_size=vocab,
+                     draft_vocab_size=draft_vocab_size or vocab if version == 3 else vocab, feature_layers=layers)
+    g = torch.Generator().manual_seed(seed)
+    head = EagleHead(cfg)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        if version == 3:
+            ids = torch.randperm(vocab, generator=g)[: cfg.draft_vocab_size].sort().values
+            head.d2t.copy_(ids - torch.arange(cfg.draft_vocab_size))
+    return head.eval()

@@ -1,0 +1,344 @@
+"""Train an EAGLE-3 head (models/eagle.py) on the target's own answers and hidden states (distill/head_data.py).
+
+python -m minispec.distill.head --data DIR --eval-data DIR --out DIR [--max-tokens N] [--time-budget MIN] [--resume]
+
+- Draft vocabulary: the draft_vocab most frequent answer tokens of the training data (FR-Spec); the head's q is
+  0 elsewhere, which stays lossless.
+- Loss: at every answer position, each of `ttt_steps` chained steps (training-time test: step j reads the head's
+  own output of step j - 1, as when drafting) is scored against the target's top-k law there (soft) or its
+  argmax (hard), weighted 0.8 ** j.
+- Eval (held-out answers, greedy ones only): acc_j, the share of positions where step j's argmax is the
+  target's argmax given the j tokens before it were right: the head's greedy acceptance at draft position j + 1.
+- The run writes OUT/config.json + model.safetensors (EAGLE-3's format), OUT/metrics.json (every eval),
+  OUT/README.md, and OUT/ckpt.pt for --resume.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from minispec.distill.head_data import load_records, read_manifest
+from minispec.models.eagle import EagleHead, HeadConfig, save_head
+
+
+@dataclass
+class HeadTrainConfig:
+    """One head-training run."""
+
+    data: str = ""  # distill/head_data.py directory (train answers)
+    eval_data: str = ""  # the same for the held-out eval prompts
+    out: str = ""
+    max_tokens: int = 0  # answer tokens of the training data used (0 = all): the data curve's x
+    draft_vocab: int = 8192
+    ttt_steps: int = 3
+    soft: bool = True  # the target's top-k law, else its argmax
+    features: str = "fused"  # "fused": the low / middle / high layers; "high": the last captured layer alone
+    epochs: float = 2.0
+    time_budget_min: float = 0.0
+    batch_tokens: int = 4096  # positions per optimiser step
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    eval_every: int = 200
+    seed: int = 0
+    threads: int = 0
+
+
+def draft_vocabulary(records: list[dict], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent answer tokens (ties by id), as sorted target ids [size]."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for r in records:
+        counts += torch.bincount(r["ids"][r["start"] :].long(), minlength=vocab_size)
+    order = torch.argsort(-counts * vocab_size - torch.arange(vocab_size).flip(0), stable=True)  # count desc, id asc
+    return order[:size].sort().values
+
+
+def new_head(target, draft_ids: torch.Tensor, feature_layers: tuple[int, ...]) -> EagleHead:
+    """A head in the target's layer shape; its norm and LM head start as the target's final norm and LM-head rows."""
+    c = target.config
+    cfg = HeadConfig(version=3, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                     num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                     head_dim=target.head_dim, rms_norm_eps=c.rms_norm_eps,
+                     rope_theta=float(getattr(c, "rope_theta", 10000.0)), vocab_size=c.vocab_size,
+                     draft_vocab_size=len(draft_ids), feature_layers=tuple(feature_layers))
+    head = EagleHead(cfg)
+    table = target_embeddings(target)
+    lm = table if target.lm_head is None else dense(target.lm_head.weight)
+    with torch.no_grad():
+        head.norm.copy_(target.norm.weight.float())
+        head.lm_head.weight.copy_(lm[draft_ids])
+        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+    return head
+
+
+def dense(w) -> torch.Tensor:
+    return w.dequantize().float() if hasattr(w, "dequantize") else w.detach().float()
+
+
+def target_embeddings(target) -> torch.Tensor:
+    """The target's token embedding as a dense float32 table [V, H] (frozen: the head shares it)."""
+    return dense(target.embed_tokens.weight)[: target.vocab_size]
+
+
+class Batches:
+    """Padded training batches of whole answers, by similar length, about batch_tokens positions each."""
+
+    def __init__(self, records: list[dict], batch_tokens: int, steps: int, t2d: torch.Tensor, feature_cols: slice,
+                 seed: int):
+        self.records, self.steps, self.t2d, self.cols = records, steps, t2d, feature_cols
+        order = sorted(range(len(records)), key=lambda i: len(records[i]["ids"]))
+        self.batches, cur = [], []
+        for i in order:
+            cur.append(i)
+            if len(cur) * len(records[i]["ids"]) >= batch_tokens:
+                self.batches.append(cur)
+                cur = []
+        if cur:
+            self.batches.append(cur)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def epoch(self):
+        for b in torch.randperm(len(self.batches), generator=self.gen).tolist():
+            yield self.make(self.batches[b])
+
+    def make(self, idx: list[int]) -> dict:
+        """ids for embeddings [B, T + steps - 1], features [B, T, F], targets (topk ids in draft rows / probs
+        [B, T + steps - 1, K], argmax [B, T + steps - 1], valid [B, T + steps - 1]), pad mask [B, T], greedy [B]."""
+        recs = [self.records[i] for i in idx]
+        T = max(len(r["ids"]) - 1 for r in recs)
+        S = T + self.steps - 1
+        B = len(recs)
+        K = recs[0]["topk_ids"].shape[1]
+        ids = torch.zeros(B, S, dtype=torch.long)
+        feats = torch.zeros(B, T, self.cols.stop - self.cols.start, dtype=torch.float32)
+        pad = torch.zeros(B, T, dtype=torch.bool)
+        tk_ids = torch.zeros(B, S, K, dtype=torch.long)
+        tk_p = torch.zeros(B, S, K)
+        argmax = torch.full((B, S), -1, dtype=torch.long)
+        for b, r in enumerate(recs):
+            L, start = len(r["ids"]), r["start"]
+            ids[b, : L - 1] = r["ids"][1:].long()
+            feats[b, : L - 1] = r["states"][:, self.cols].float()
+            pad[b, : L - 1] = True
+            # anchor p predicts token p + 2, whose law is topk row p + 2 - start (rows: positions start - 1 ..)
+            lo = max(start - 2, 0)
+            rows = torch.arange(lo, L - 2) + 2 - start  # topk rows of anchors lo .. L - 3
+            keep = rows >= 0
+            anchors = torch.arange(lo, L - 2)[keep]
+            rows = rows[keep]
+            d = self.t2d[r["topk_ids"][rows].long()]  # [n, K] draft row or -1
+            p = r["topk_logp"][rows].float().exp() * (d >= 0)
+            tk_ids[b, anchors] = d.clamp(min=0)
+            tk_p[b, anchors] = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
+            argmax[b, anchors] = d[:, 0]  # -1 where the target's argmax is outside the draft vocabulary
+        return {"ids": ids, "features": feats, "pad": pad, "tk_ids": tk_ids, "tk_p": tk_p, "argmax": argmax,
+                "has_target": tk_p.sum(-1) > 0, "greedy": torch.tensor([r.get("temperature", 0.0) == 0 for r in recs])}
+
+
+def step_losses(head: EagleHead, emb_table: torch.Tensor, batch: dict, steps: int, soft: bool
+                ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """Each TTT step's mean loss over its scored positions, and (right, scored) greedy counts per step."""
+    emb = F.embedding(batch["ids"], emb_table)  # [B, S, H]
+    outs = head.train_steps(emb, batch["features"], steps, batch["pad"])
+    T = batch["features"].shape[1]
+    losses, counts = [], []
+    for j, out in enumerate(outs):
+        logp = torch.log_softmax(head.logits(out).float(), -1)  # [B, T, Vd]
+        sl = slice(j, j + T)
+        valid = batch["has_target"][:, sl] & batch["pad"]
+        if soft:
+            lp = logp.gather(-1, batch["tk_ids"][:, sl])  # [B, T, K]
+            loss = -(lp * batch["tk_p"][:, sl]).sum(-1)
+        else:
+            tgt = batch["argmax"][:, sl]
+            valid = valid & (tgt >= 0)
+            loss = -logp.gather(-1, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        losses.append((loss * valid).sum() / valid.sum().clamp(min=1))
+        with torch.no_grad():
+            g = valid & batch["greedy"][:, None]
+            right = (logp.argmax(-1) == batch["argmax"][:, sl]) & g
+            counts.append((int(right.sum()), int(g.sum())))
+    return losses, counts
+
+
+@torch.no_grad()
+def evaluate(head: EagleHead, emb_table, batches: Batches, steps: int) -> dict:
+    """acc_j (greedy acceptance at draft position j + 1 given the earlier ones right) and each step's soft loss."""
+    head.eval()
+    right, total, loss = [0] * steps, [0] * steps, [0.0] * steps
+    n = 0
+    for batch in (batches.make(b) for b in batches.batches):
+        ls, cs = step_losses(head, emb_table, batch, steps, soft=True)
+        for j in range(steps):
+            right[j] += cs[j][0]
+            total[j] += cs[j][1]
+            loss[j] += float(ls[j])
+        n += 1
+    head.train()
+    out = {f"acc_{j + 1}": right[j] / max(total[j], 1) for j in range(steps)}
+    out |= {f"loss_{j + 1}": loss[j] / max(n, 1) for j in range(steps)}
+    out["tau_greedy_k"] = {k: expected_tau([out[f"acc_{j + 1}"] for j in range(min(k, steps))]) for k in (1, 2, 3, 4)}
+    out["eval_positions"] = total[0]
+    return out
+
+
+def expected_tau(acc: list[float]) -> float:
+    """Tokens per verification from conditional acceptances a_1.., the last one repeated up to k: 1 + a1 + a1 a2 + .."""
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        tau += run
+    return tau
+
+
+def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log=print) -> dict:
+    """Train (or resume) one head; returns the final metrics."""
+    from tqdm import tqdm
+
+    from minispec.models.loader import load_model
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = read_manifest(Path(cfg.data))["settings"]
+    target = load_model(settings["target"], dtype=torch.float32, device=torch.device("cpu"), packed=None).model
+    capture = tuple(settings["capture_layers"])
+    H = target.hidden_size
+    cols = slice(0, len(capture) * H) if cfg.features == "fused" else slice((len(capture) - 1) * H, len(capture) * H)
+    feature_layers = capture if cfg.features == "fused" else capture[-1:]
+    t0 = time.perf_counter()
+    train_recs = load_records(Path(cfg.data), cfg.max_tokens or None)
+    eval_recs = [r for r in load_records(Path(cfg.eval_data)) if r.get("temperature", 0.0) == 0]
+    n_tokens = sum(len(r["topk_ids"]) for r in train_recs)
+    log(f"head: {len(train_recs)} train answers ({n_tokens} tokens), {len(eval_recs)} eval answers "
+        f"({sum(len(r['topk_ids']) for r in eval_recs)} tokens), loaded in {time.perf_counter() - t0:.0f} s")
+    draft_ids = draft_vocabulary(train_recs, cfg.draft_vocab, target.vocab_size)
+    t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    t2d[draft_ids] = torch.arange(len(draft_ids))
+    coverage = sum(int((t2d[r["ids"][r["start"]:].long()] >= 0).sum()) for r in eval_recs) / \
+        max(1, sum(len(r["ids"]) - r["start"] for r in eval_recs))
+    head = new_head(target, draft_ids, feature_layers)
+    emb_table = target_embeddings(target)
+    del target
+    train_b = Batches(train_recs, cfg.batch_tokens, cfg.ttt_steps, t2d, cols, cfg.seed)
+    eval_b = Batches(eval_recs, cfg.batch_tokens, cfg.ttt_steps, t2d, cols, cfg.seed)
+    total_steps = max(1, int(cfg.epochs * len(train_b.batches)))
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    step, history, train_s = 0, [], 0.0
+    ckpt = out / "ckpt.pt"
+    if resume and ckpt.is_file():
+        state = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step, history, train_s = state["step"], state["history"], state["train_s"]
+        train_b.gen.set_state(state["gen"])
+        log(f"head: resumed at step {step} of {total_steps}")
+
+    def lr_at(s: int) -> float:
+        if s < cfg.warmup_steps:
+            return cfg.lr * (s + 1) / cfg.warmup_steps
+        t = min(1.0, (s - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    def save_all(final: dict | None = None):
+        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
+                    "train_s": train_s, "gen": train_b.gen.get_state()}, out / "ckpt.tmp")
+        (out / "ckpt.tmp").replace(ckpt)
+        metrics = {"config": asdict(cfg), "train_answers": len(train_recs), "train_tokens": n_tokens,
+                   "draft_vocab_coverage_eval": coverage, "total_steps": total_steps, "step": step,
+                   "train_s": train_s, "history": history, "final": final}
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+
+    bar = tqdm(total=total_steps, initial=step, desc="head train", unit="step", disable=not progress)
+    run_t0 = time.perf_counter()
+    done = False
+    while not done and step < total_steps:
+        for batch in train_b.epoch():
+            t1 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            losses, counts = step_losses(head, emb_table, batch, cfg.ttt_steps, cfg.soft)
+            loss = sum(0.8 ** j * l for j, l in enumerate(losses))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            step += 1
+            train_s += time.perf_counter() - t1
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(losses[0]):.3f}", acc1=f"{counts[0][0] / max(counts[0][1], 1):.2f}")
+            if step % cfg.eval_every == 0 or step == total_steps:
+                ev = evaluate(head, emb_table, eval_b, cfg.ttt_steps)
+                history.append({"step": step, "train_s": round(train_s, 1), "train_loss_1": float(losses[0])} | ev)
+                log(f"head: step {step}: eval acc " + " ".join(f"{ev[f'acc_{j + 1}']:.3f}" for j in range(cfg.ttt_steps)))
+                save_all()
+            if step >= total_steps or (cfg.time_budget_min and time.perf_counter() - run_t0 > 60 * cfg.time_budget_min):
+                done = True
+                break
+    bar.close()
+    final = evaluate(head, emb_table, eval_b, cfg.ttt_steps) | {"step": step, "train_tokens": n_tokens}
+    save_all(final)
+    save_head(head, out, extra={"minispec": {"train_tokens": n_tokens, "step": step, "draft_vocab_coverage_eval":
+                                             coverage, "eval": {k: v for k, v in final.items() if k.startswith("acc_")}}})
+    write_readme(out, cfg, final, n_tokens, coverage, history)
+    log(f"head: wrote {out} at step {step}: eval acc " + " ".join(f"{final[f'acc_{j + 1}']:.3f}"
+                                                             for j in range(cfg.ttt_steps)))
+    return final
+
+
+def write_readme(out: Path, cfg: HeadTrainConfig, final: dict, n_tokens: int, coverage: float, history: list) -> None:
+    lines = [
+        "# EAGLE-3 draft head", "",
+        "Trained by `python -m minispec.distill.head` (minispec/distill/head.py) on the target's own answers and the",
+        "hidden states it computed while writing them (minispec/distill/head_data.py). EAGLE-3's checkpoint format.", "",
+        f"- training answer tokens: {n_tokens}; draft vocabulary: {cfg.draft_vocab} rows "
+        f"(eval answer-token coverage {coverage:.3f})",
+        f"- features: {cfg.features}; loss: {'soft (top-k law)' if cfg.soft else 'hard (argmax)'}; "
+        f"training-time test over {cfg.ttt_steps} steps; steps run: {final['step']}",
+        "- held-out greedy acceptance (teacher-forced, given the earlier drafts right): "
+        + ", ".join(f"position {j + 1}: {final[f'acc_{j + 1}']:.3f}" for j in range(cfg.ttt_steps)),
+        "- predicted tokens per verification (greedy): "
+        + ", ".join(f"k = {k}: {v:.2f}" for k, v in final["tau_greedy_k"].items()), "",
+        "Evals during training (metrics.json has all of them):", "",
+        "| step | train s | acc 1 | acc 2 | acc 3 |", "|---|---|---|---|---|",
+    ]
+    for h in history[-8:]:
+        lines.append(f"| {h['step']} | {h['train_s']} | " + " | ".join(f"{h.get(f'acc_{j}', float('nan')):.3f}"
+                                                                   for j in (1, 2, 3)) + " |")
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m minispec.distill.head", description="train an EAGLE-3 draft head")
+    fields = HeadTrainConfig()
+    for name, value in asdict(fields).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=value)
+        else:
+            ap.add_argument(flag, type=type(value), default=value)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    a = vars(ap.parse_args(argv))
+    resume, progress = a.pop("resume"), not a.pop("no_progress")
+    cfg = HeadTrainConfig(**a)
+    for name in ("data", "eval_data", "out"):
+        if not getattr(cfg, name):
+            ap.error(f"--{name.replace('_', '-')} is required")
+    train(cfg, resume=resume, progress=progress)
+
+
+if __name__ == "__main__":
+    main()

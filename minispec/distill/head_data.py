@@ -1,0 +1,201 @@
+"""Training data for a draft head: the target's own answers, with the hidden states it computed while
+writing them (captured in the same forwards) and its top-k next-token log-probabilities.
+
+The data lives in a directory of shards (shard-00000.pt, ...) and a manifest.json: a later run with more
+prompts or a larger time budget makes only the answers the directory does not hold yet.
+One record per answer:
+  ids [L] int32: prompt then answer;  start: index of the first answer token
+  states [L - 1, C * hidden] float16: the captured hidden states of positions 0 .. L - 2 (the last token is
+      never fed); C = len(capture_layers), the residual stream entering each of those layers
+  topk_ids [L - start, K] int32 / topk_logp [L - start, K] float16: the target's top-K log-probs at positions
+      start - 1 .. L - 2 (the law each answer token was drawn from; sorted, so topk_ids[:, 0] is its argmax)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from minispec.data import load_prompts
+from minispec.data.synth import synth_count, synth_prompts
+
+MANIFEST = "manifest.json"
+
+
+def default_capture_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high features: the streams entering layers 2, L // 2 and L - 3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def train_prompts(n: int, seed: int = 0) -> list[str]:
+    """The first n train prompts: prompts.json's train split, then synthetic ones (never an eval prompt)."""
+    base = load_prompts("train")
+    extra = max(0, n - len(base))
+    if extra > synth_count():
+        raise ValueError(f"asked for {n} train prompts; {len(base) + synth_count()} are available")
+    return (base + synth_prompts(extra, seed=seed))[:n]
+
+
+def answer_temperature(index: int, sampled_every: int) -> float:
+    """Answer i is sampled at T = 0.8 when sampled_every divides i + 1, else greedy (0 = always greedy)."""
+    return 0.8 if sampled_every and (index + 1) % sampled_every == 0 else 0.0
+
+
+def read_manifest(out: Path) -> dict:
+    path = out / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else {"settings": None, "shards": [], "done": []}
+
+
+def load_records(out: Path, max_tokens: int | None = None) -> list[dict]:
+    """Every record of a data directory, in the order made; max_tokens: stop once that many answer tokens."""
+    records, n = [], 0
+    for shard in read_manifest(out)["shards"]:
+        for r in torch.load(out / shard, weights_only=False):
+            records.append(r)
+            n += len(r["topk_ids"])
+            if max_tokens is not None and n >= max_tokens:
+                return records
+    return records
+
+
+@torch.inference_mode()
+def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int = 256, batch: int = 16,
+             sampled_every: int = 2, top_k: int = 20, seed: int = 0, time_budget_min: float = 0.0,
+             shard_size: int = 256, split: str = "train", log=print) -> dict:
+    """Answer the first num_prompts prompts of a split (train: prompts.json's and synthetic ones; eval: the held-out
+    prompts) that out/ lacks with the target, capturing its hidden states.
+
+    Continuous batching over one ModelRunner: a finished answer's slot takes the next prompt, whose prefill
+    runs as its own padded forward beside the decodes. Stops at time_budget_min (0 = none), saving what is
+    done; a later call resumes. Returns the manifest.
+    """
+    from tqdm import tqdm
+
+    from minispec.llm import encode_text
+    from minispec.models.loader import load_model
+    from minispec.runner.model_runner import ModelRunner
+
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(target_spec, dtype=torch.float32, device=torch.device("cpu"), packed=None)
+    model = loaded.model
+    model.capture_layers = default_capture_layers(model.num_layers)
+    settings = {"target": loaded.name, "max_tokens": max_tokens, "sampled_every": sampled_every, "top_k": top_k,
+                "seed": seed, "capture_layers": list(model.capture_layers), "chat": True}
+    if split != "train":
+        settings["split"] = split
+    manifest = read_manifest(out)
+    if manifest["settings"] not in (None, settings):
+        raise ValueError(f"{out} holds data made with other settings ({manifest['settings']}); use another directory")
+    manifest["settings"] = settings
+    done = set(manifest["done"])
+    prompts = train_prompts(num_prompts, seed) if split == "train" else load_prompts("eval")[:num_prompts]
+    todo = [(i, p) for i, p in enumerate(prompts) if p not in done]
+    log(f"head data: {len(done)} answers in {out}, {len(todo)} to make (batch {batch}, max {max_tokens} tokens)")
+    if not todo:
+        return manifest
+    max_len = min(loaded.max_model_len, 1024)
+    runner = ModelRunner(model, batch, max_len, dtype=torch.float32, device=torch.device("cpu"))
+    states_of: dict[int, list[torch.Tensor]] = {}
+
+    def on_hidden(slots, starts, lens, states):
+        at = 0
+        for s, n in zip(slots, lens):
+            states_of[s].append(states[at : at + n].to(torch.float16))
+            at += n
+    runner.on_hidden = on_hidden
+
+    active: dict[int, dict] = {}  # slot -> the answer being written
+    finished: list[dict] = []
+    queue = list(todo)
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(todo), desc="head data", unit="answer")
+    made_tokens = 0
+
+    def flush():
+        nonlocal finished
+        if not finished:
+            return
+        name = f"shard-{len(manifest['shards']):05d}.pt"
+        torch.save([r["record"] for r in finished], out / name)
+        manifest["shards"].append(name)
+        manifest["done"] += [r["prompt"] for r in finished]
+        (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest))
+        (out / (MANIFEST + ".tmp")).replace(out / MANIFEST)
+        finished = []
+
+    eos = loaded.eos_token_ids
+    while queue or active:
+        if time_budget_min and time.perf_counter() - t0 > 60 * time_budget_min:
+            log(f"head data: time budget of {time_budget_min} min reached")
+            break
+        for slot in range(batch):
+            if slot not in active and queue:
+                i, p = queue.pop(0)
+                ids = encode_text(loaded.tokenizer, p, True, loaded.name)[: max_len // 2]
+                g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(p.encode())) % 2**63)
+                active[slot] = {"prompt": p, "ids": ids, "start": len(ids), "fed": 0, "T": answer_temperature(i, sampled_every),
+                                "gen": g, "topk_ids": [], "topk_logp": []}
+                states_of[slot] = []
+        slots = sorted(active)
+        starts = [active[s]["fed"] for s in slots]
+        queries = [active[s]["ids"][active[s]["fed"] :] for s in slots]
+        logits = runner.forward(slots, starts, queries, [1] * len(slots))  # [n, V]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top_logp, top_ids = logp.topk(top_k, dim=-1)  # [n, K]
+        for j, s in enumerate(slots):
+            a = active[s]
+            a["fed"] = len(a["ids"])
+            a["topk_ids"].append(top_ids[j].to(torch.int32))
+            a["topk_logp"].append(top_logp[j].to(torch.float16))
+            if a["T"] == 0:
+                tok = int(top_ids[j, 0])
+            else:
+                tok = int(torch.multinomial(torch.softmax(logits[j] / a["T"], -1), 1, generator=a["gen"]))
+            a["ids"].append(tok)
+            n_answer = len(a["ids"]) - a["start"]
+            if tok in eos or n_answer >= max_tokens or len(a["ids"]) >= max_len:
+                states = torch.cat(states_of.pop(s))  # [L - 1, C * H]
+                if not torch.isfinite(states).all():
+                    raise ValueError("captured hidden states overflow float16")
+                rec = {"ids": torch.tensor(a["ids"], dtype=torch.int32), "start": a["start"], "states": states,
+                       "topk_ids": torch.stack(a["topk_ids"]), "topk_logp": torch.stack(a["topk_logp"]),
+                       "temperature": a["T"]}
+                finished.append({"prompt": a["prompt"], "record": rec})
+                made_tokens += n_answer
+                del active[s]
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{made_tokens / (time.perf_counter() - t0):.0f}")
+                if len(finished) >= shard_size:
+                    flush()
+    flush()
+    bar.close()
+    log(f"head data: {made_tokens} answer tokens in {time.perf_counter() - t0:.0f} s -> {out}")
+    return manifest
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="make a draft head's training data from the target's own answers")
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--split", choices=("train", "eval"), default="train")
+    ap.add_argument("--num-prompts", type=int, default=8000)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--sampled-every", type=int, default=2, help="every Nth answer sampled at T = 0.8 (0: all greedy)")
+    ap.add_argument("--top-k", type=int, default=20)
+    ap.add_argument("--time-budget-min", type=float, default=0.0)
+    ap.add_argument("--shard-size", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    generate(a.target, a.out, a.num_prompts, max_tokens=a.max_tokens, batch=a.batch, sampled_every=a.sampled_every,
+             top_k=a.top_k, time_budget_min=a.time_budget_min, shard_size=a.shard_size, split=a.split)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The head proposer: an EAGLE head (models/eagle.py) drafting from the hidden states the target computed.
+
+The target runner captures the head's feature layers in every forward it already runs (verification,
+prefill chunks) and hands them here (ModelRunner.on_hidden); each request keeps the states of the
+positions its head has not read yet. Drafting a request whose target has computed positions < n:
+  step 0 feeds the head every position p in [num_draft_computed, n) with (token p + 1, the target's state
+         at p), writing the head's KV cache there: the draft for token n + 1 comes from position n - 1;
+  step j feeds position n - 1 + j with (draft j, the head's own output at step j - 1).
+The head's K/V past n are rolled back by bookkeeping, as a draft model's are (num_draft_computed = n).
+Logits over the draft vocabulary go to the draft-logits cache over the full vocabulary, -inf elsewhere, so
+the rejection sampler, stale rows, skips, TP and adaptive k treat the head as any draft.
+"""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from minispec.layers.attention import AttentionMetadata, ForwardBatch, attention
+from minispec.layers.quant import linear
+from minispec.layers.rotary import RotaryEmbedding
+from minispec.models.eagle import EagleHead, InferenceWeights
+from minispec.runner.kv_cache import KVCache
+from minispec.runner.model_runner import ModelRunner
+from minispec.spec_decode.draft_logits import DraftLogitsCache
+from minispec.sample.sampler import BatchSampling
+from minispec.spec_decode.proposer import Drafting, draw_drafts, owned, proposal_uniforms
+
+
+class HeadRunner:
+    """The head's forwards over its own one-layer KV cache, in slot order like ModelRunner's."""
+
+    def __init__(self, head: EagleHead | InferenceWeights, target_model, num_slots: int, max_len: int, device,
+                 quant: str | None = None):
+        self.weights = head if isinstance(head, InferenceWeights) else InferenceWeights(head, quant)
+        cfg = self.weights.cfg
+        self.cfg = cfg
+        self.target = target_model  # its token embedding (and, for EAGLE-1 without a head, its LM head)
+        self.device = torch.device(device)
+        self.max_len = max_len
+        self.kv = KVCache(1, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float32,
+                          device=device)
+        self.rotary = RotaryEmbedding(SimpleNamespace(rope_theta=cfg.rope_theta), cfg.head_dim, device=device)
+        self.draft_ids = self.weights.draft_ids.to(device)  # [draft_vocab] target id of each row
+        self.identity_vocab = bool((self.draft_ids == torch.arange(target_model.vocab_size, device=device)).all()) \
+            if cfg.draft_vocab_size == target_model.vocab_size else False
+        self.forward_s = 0.0
+
+    @torch.inference_mode()
+    def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]], features: list[torch.Tensor],
+                fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request i feeds tokens[i] (the tokens after each position) at positions starts[i].. with features[i]
+        [len, C * hidden] (fused: the target's captured states, fc applied here) or [len, hidden] (the head's
+        own outputs). Returns the last position's (draft-vocabulary logits [n, draft_vocab], pre-norm output
+        [n, hidden]) per request, in request order."""
+        t0 = time.perf_counter()
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        batch = ForwardBatch.build([slots[i] for i in order], [starts[i] for i in order],
+                                   [tokens[i] for i in order], self.kv.scratch_slot, self.device)
+        if batch.max_ctx > self.max_len:
+            raise ValueError(f"context of {batch.max_ctx} tokens exceeds the head's KV cache of {self.max_len}")
+        B, L = batch.input_ids.shape
+        lens = [len(tokens[i]) for i in order]
+        feats = torch.zeros(B, L, features[0].shape[-1], dtype=torch.float32, device=self.device)  # [B, L, F]
+        for b, i in enumerate(order):
+            feats[b, : lens[b]] = features[i]
+        w = self.weights
+        hidden = w.fuse(feats) if fused else feats  # [B, L, H]
+        emb = self.target.embed_tokens(batch.input_ids).float()  # [B, L, H]
+        x, residual = w.attention_input(emb, hidden)
+        qkv = linear(x, w.qkv)
+        meta = AttentionMetadata.build(batch, self.rotary(batch.positions), self.kv.k[0],
+                                       self.cfg.num_attention_heads // self.cfg.num_key_value_heads)
+        attn = attention(qkv.contiguous(), meta, self.kv.k[0], self.kv.v[0], self.cfg.num_attention_heads)
+        last = torch.tensor([b * L + lens[b] - 1 for b in range(B)], device=self.device)
+        attn = attn.reshape(B * L, -1).index_select(0, last)  # only the last position's output is needed
+        out = w.layer_output(attn, residual.reshape(B * L, -1).index_select(0, last))  # [B, H]
+        logits = w.logits(out, lambda h: self.target.compute_logits(h))
+        inv = torch.empty(len(order), dtype=torch.long)
+        inv[torch.tensor(order)] = torch.arange(len(order))
+        inv = inv.to(self.device)
+        self.forward_s += time.perf_counter() - t0
+        return logits.index_select(0, inv), out.index_select(0, inv)
+
+    def full_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Draft-vocabulary logits [n, draft_vocab] -> [n, vocab_size], -inf outside the draft vocabulary."""
+        if self.identity_vocab:
+            return logits.float()
+        full = torch.full((logits.shape[0], vocab_size), float("-inf"), dtype=torch.float32, device=logits.device)
+        full[:, self.draft_ids] = logits.float()
+        return full
+
+    def copy(self, num_slots: int, max_len: int) -> "HeadRunner":
+        """A runner over the same weights with a KV cache of its own."""
+        return HeadRunner(self.weights, self.target, num_slots, max_len, self.device)
+
+    def cost_step(self, batch_size: int, context: int):
+        """A timer for one draft step of batch_size requests after `context` positions (spec_decode/costs.py)."""
+        feat = torch.zeros(1, self.cfg.hidden_size)
+        slots = list(range(batch_size))
+
+        def step():
+            self.forward(slots, [context] * batch_size, [[0]] * batch_size, [feat] * batch_size, fused=False)
+        return step
+
+
+class HeadProposer:
+    """Drafts with an EAGLE head from the target's captured hidden states (see the module docstring)."""
+
+    def __init__(self, runner: HeadRunner, target_runner: ModelRunner, k: int):
+        self.runner = runner
+        self.k = k
+        self.vocab_size = runner.target.vocab_size
+        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (first position, states [n, C * H])
+        target_runner.model.capture_layers = runner.cfg.feature_layers
+        target_runner.on_hidden = self.take_hidden
+
+    @property
+    def forward_s(self) -> float:
+        return self.runner.forward_s
+
+    def take_hidden(self, slots: list[int], starts: list[int], lens: list[int], states: torch.Tensor) -> None:
+        """Keep the target's captured states of each fed position; a forward from position s replaces those >= s."""
+        at = 0
+        for slot, s, n in zip(slots, starts, lens):
+            rows = states[at : at + n]
+            at += n
+            old = self.pending.get(slot)
+            if old is None:
+                self.pending[slot] = (s, rows.clone())
+                continue
+            p0, kept = old
+            if s < p0:
+                rows = rows[p0 - s :]
+                s = p0
+            if s > p0 + len(kept):
+                raise RuntimeError(f"slot {slot}: target states from position {s} leave a gap after {p0 + len(kept)}")
+            self.pending[slot] = (p0, torch.cat([kept[: s - p0], rows]))
+
+    def propose(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
+        """num_steps (default k) head steps for every request; each rank runs them all (the head is small and
+        replicated), writes the rows of the requests it owns and draws every request's tokens alike."""
+        num_steps = self.k if num_steps is None else num_steps
+        _, mine, rows = owned(reqs, cache)
+        mine = torch.from_numpy(mine).to(self.runner.device)
+        sampling = BatchSampling([r.params for r in reqs], self.runner.device)
+        u = proposal_uniforms(reqs, self.k).to(self.runner.device)  # [num_reqs, k]
+        drafts = np.empty((len(reqs), num_steps), dtype=np.int64)  # [num_reqs, num_steps]
+        slots = [r.slot for r in reqs]
+        starts, tokens, feats = [], [], []
+        for r in reqs:
+            n = r.num_computed  # the target's states exist for positions < n; token n is the last sampled
+            p0, states = self.pending[r.slot]
+            start = r.num_draft_computed
+            if start < p0:
+                raise RuntimeError(f"slot {r.slot}: the head needs states from position {start}, held from {p0}")
+            starts.append(start)
+            tokens.append(r.token_ids[start + 1 : n + 1])
+            feats.append(states[start - p0 : n - p0])
+            self.pending[r.slot] = (n, states[n - p0 : n - p0])
+        fused = True
+        for j in range(num_steps):
+            logits, hidden = self.runner.forward(slots, starts, tokens, feats, fused)
+            full = self.runner.full_vocab(logits, self.vocab_size)  # [num_reqs, V]
+            cache.write(rows, j, full[mine])
+            tok = draw_drafts(full, sampling, u[:, j])
+            drafts[:, j] = tok.cpu().numpy()
+            starts = [s + len(t) for s, t in zip(starts, tokens)]
+            tokens = [[int(t)] for t in drafts[:, j]]
+            feats = list(hidden.unsqueeze(1))
+            fused = False
+        for r in reqs:
+            r.num_draft_computed = r.num_computed  # true entries below; the drafts' are overwritten next time
+        return drafts
+
+    def free(self, req: Drafting) -> None:
+        self.pending.pop(req.slot, None)
+        req.num_draft_computed = 0

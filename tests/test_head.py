@@ -1,0 +1,207 @@
+"""EAGLE heads: the engine's cached forward against the training forward, the proposer's drafts against the head run
+on the accepted context, lossless greedy output, and checkpoints in EAGLE-1 / EAGLE-3's formats."""
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from minispec import LLM, SamplingParams
+from minispec.models.eagle import is_head_checkpoint, load_head, save_head
+from minispec.models.errors import ModelLoadError
+from minispec.models.loader import load_model
+from minispec.runner.model_runner import ModelRunner
+from minispec.spec_decode.head import HeadProposer, HeadRunner
+from minispec.tools.tiny import make_tiny_head
+from tests.utils import make_tiny_model_dir
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    # 4 layers, so that EAGLE-3's default feature layers (2, 2, 1 of a 4-layer model: 2, L // 2, L - 3) are distinct
+    d = make_tiny_model_dir(str(tmp_path_factory.mktemp("head-target")), seed=0, num_hidden_layers=4)
+    return load_model(d, dtype=torch.float32, device=CPU)
+
+
+def captured_states(target, ids: list[int], layers) -> torch.Tensor:
+    """The target's captured states [len(ids), C * H] of a whole sequence, from one prefill."""
+    runner = ModelRunner(target.model, 1, len(ids) + 1, dtype=torch.float32, device=CPU)
+    got = []
+    runner.on_hidden = lambda slots, starts, lens, states: got.append(states.clone())
+    target.model.capture_layers = tuple(layers)
+    try:
+        runner.forward([0], [0], [ids], [1])
+    finally:
+        target.model.capture_layers = ()
+    return got[0]
+
+
+@torch.no_grad()
+def reference_logits(head, target, context: list[int], drafts: list[int]) -> torch.Tensor:
+    """The head's full-vocabulary logits for each draft of one proposal, from its training forward: anchor
+    len(context) - 2 (the last position the target computed), steps 0 .. len(drafts) - 1."""
+    n = len(context) - 1  # positions whose states the target has
+    feats = captured_states(target, context[:-1], head.cfg.feature_layers).unsqueeze(0)  # [1, n, C * H]
+    tokens = torch.tensor([context[1:] + drafts[:-1]])  # token p + 1 at anchor p, then the drafts fed
+    emb = target.model.embed_tokens(tokens).float()
+    outs = head.train_steps(emb, feats, len(drafts), torch.ones(1, n, dtype=torch.bool))
+    rows = [head.logits(o[0, n - 1], target.model.compute_logits) for o in outs]  # [Vd] each
+    full = torch.full((len(drafts), head.cfg.vocab_size), float("-inf"))
+    full[:, head.draft_ids] = torch.stack(rows) if head.cfg.version == 3 else torch.stack(rows)[:, head.draft_ids]
+    return full
+
+
+@pytest.mark.parametrize("version, draft_vocab", [(3, 100), (3, None), (1, None)])
+def test_cached_forward_equals_training_forward(target, version, draft_vocab):
+    """HeadRunner on its KV cache (prefill, then 3 chained steps from every anchor) == EagleHead.train_steps."""
+    head = make_tiny_head(target.config, version=version, draft_vocab_size=draft_vocab, seed=1)
+    ids = [5, 17, 9, 3, 30, 1, 44, 12, 200, 7, 8, 9, 100]
+    n = len(ids) - 1
+    feats = captured_states(target, ids[:-1], head.cfg.feature_layers)  # [n, C * H]
+    steps = 3
+    fed = ids[1:] + [3, 4]  # fed[p + j]: the token step j reads at anchor p
+    emb = target.model.embed_tokens(torch.tensor([fed])).float()
+    with torch.no_grad():
+        outs = head.train_steps(emb, feats.unsqueeze(0), steps, torch.ones(1, n, dtype=torch.bool))
+    runner = HeadRunner(head, target.model, 2, 64, CPU)
+    for p in range(n - steps + 1):
+        # Prefill positions 0 .. p with the target's states (a chunk per call, as the engine's verifications feed
+        # them), then chain steps from anchor p.
+        logits, hidden = runner.forward([1], [0], [ids[1 : p + 2]], [feats[: p + 1]], fused=True)
+        for j in range(steps):
+            want = head.logits(outs[j][0, p], target.model.compute_logits)
+            torch.testing.assert_close(logits[0], want, rtol=1e-4, atol=1e-4, msg=f"anchor {p} step {j}")
+            logits, hidden = runner.forward([1], [p + 1 + j], [[fed[p + 1 + j]]], [hidden], fused=False)
+
+
+class Recorder(HeadProposer):
+    """Keeps (context, drafts, cached logits) of every proposal of request slot 0."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seen = []
+
+    def propose(self, reqs, cache, num_steps=None):
+        contexts = [list(r.token_ids) for r in reqs]
+        drafts = super().propose(reqs, cache, num_steps)
+        slots = torch.tensor([r.slot for r in reqs])
+        for i, r in enumerate(reqs):
+            steps = torch.arange(drafts.shape[1])
+            got = cache.read(slots[i : i + 1].repeat(len(steps)), steps)  # [k, V]
+            self.seen.append((contexts[i], drafts[i].tolist(), got.clone()))
+        return drafts
+
+
+@pytest.mark.parametrize("version, draft_vocab, budget", [(3, 100, 2048), (3, 100, 9), (1, None, 2048)])
+def test_proposals_are_the_head_on_the_accepted_context(target, version, draft_vocab, budget):
+    """Every draft's cached logits equal the head's training forward over the context the engine had when it
+    drafted (the target's states at every accepted position, the head's KV rolled back), and greedy output equals
+    the target's alone; budget 9 chunks prefills and skips decodes."""
+    head = make_tiny_head(target.config, version=version, draft_vocab_size=draft_vocab, seed=2)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [10, 11, 12], list(range(20, 40))]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = LLM(target, draft=None).generate(prompts, sp)
+    llm = LLM(target, draft=head, num_speculative_tokens=3, max_num_batched_tokens=budget, max_num_seqs=4)
+    eng = llm.engine
+    rec = Recorder(eng.proposer.runner, eng.target, 3)
+    eng.proposer = rec
+    out = llm.generate(prompts, sp)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert len(rec.seen) >= 10
+    for context, drafts, got in rec.seen:
+        want = reference_logits(head, target, context, drafts)
+        finite = torch.isfinite(want)
+        assert torch.equal(finite, torch.isfinite(got))
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_int8_head_is_lossless_and_smaller(target):
+    head = make_tiny_head(target.config, version=3, draft_vocab_size=128, seed=3)
+    prompts = [[5, 6, 7], list(range(30, 50))]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = LLM(target, draft=None).generate(prompts, sp)
+    llm = LLM(target, draft=head, num_speculative_tokens=2, draft_quantization="int8")
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in ref]
+    dense = HeadRunner(head, target.model, 1, 8, CPU).weights.nbytes()
+    assert llm.engine.proposer.runner.weights.nbytes() < 0.4 * dense
+
+
+def test_eagle3_checkpoint_round_trip(target, tmp_path):
+    head = make_tiny_head(target.config, version=3, draft_vocab_size=100, seed=4)
+    save_head(head, tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight", "norm.weight",
+            "lm_head.weight", "d2t", "t2d"} <= set(state)
+    assert state["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * target.config.hidden_size
+    assert int(state["t2d"].sum()) == 100
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 100
+    assert is_head_checkpoint(tmp_path)
+    back = load_head(tmp_path, target.config)
+    for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def write_eagle1(head, path, prefix: str = ""):
+    """An EAGLE-1 checkpoint as EAGLE's repository writes it: pytorch_model.bin with layers.0.* and fc (+ bias)."""
+    path.mkdir(parents=True, exist_ok=True)
+    p = prefix + "layers.0."
+    state = {prefix + "fc.weight": head.fc.weight, prefix + "fc.bias": torch.randn(head.cfg.hidden_size) * 0.1,
+             p + "self_attn.q_proj.weight": head.q_proj.weight, p + "self_attn.k_proj.weight": head.k_proj.weight,
+             p + "self_attn.v_proj.weight": head.v_proj.weight, p + "self_attn.o_proj.weight": head.o_proj.weight,
+             p + "mlp.gate_proj.weight": head.gate_proj.weight, p + "mlp.up_proj.weight": head.up_proj.weight,
+             p + "mlp.down_proj.weight": head.down_proj.weight,
+             p + "post_attention_layernorm.weight": head.post_attention_layernorm}
+    torch.save({k: v.detach().clone() for k, v in state.items()}, path / "pytorch_model.bin")
+    c = head.cfg
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "vocab_size": c.vocab_size}))
+    return state
+
+
+@pytest.mark.parametrize("prefix", ["", "model."])
+def test_eagle1_checkpoint_loads_and_is_lossless(target, tmp_path, prefix):
+    head = make_tiny_head(target.config, version=1, seed=5)
+    state = write_eagle1(head, tmp_path / "e1", prefix)
+    assert is_head_checkpoint(tmp_path / "e1")
+    back = load_head(tmp_path / "e1", target.config)
+    assert back.cfg.version == 1 and back.cfg.fc_bias and back.cfg.feature_layers == (target.config.num_hidden_layers,)
+    assert torch.equal(back.fc.bias, state[prefix + "fc.bias"])
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = LLM(target, draft=None).generate([[4, 5, 6]], sp)
+    assert LLM(target, draft=str(tmp_path / "e1")).generate([[4, 5, 6]], sp)[0].token_ids == ref[0].token_ids
+
+
+def test_bad_checkpoints_get_one_line_errors(target, tmp_path):
+    head = make_tiny_head(target.config, version=3, draft_vocab_size=50, seed=6)
+    save_head(head, tmp_path / "ok")
+    state = load_file(tmp_path / "ok" / "model.safetensors")
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+
+    def variant(name, state_fn=lambda s: s, cfg_fn=lambda c: c):
+        d = tmp_path / name
+        d.mkdir()
+        save_file(state_fn(dict(state)), str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps(cfg_fn(dict(cfg))))
+        return d
+
+    cases = [
+        (variant("hidden", cfg_fn=lambda c: c | {"hidden_size": 32}), "hidden_size 32; the target's is 64"),
+        (variant("missing", state_fn=lambda s: {k: v for k, v in s.items() if k != "midlayer.mlp.up_proj.weight"}),
+         "lacks tensor 'midlayer.mlp.up_proj.weight'"),
+        (variant("d2t", state_fn=lambda s: s | {"d2t": s["d2t"] + 1000}), "outside the vocabulary [0, 256)"),
+        (variant("layers", cfg_fn=lambda c: c | {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 9]}}),
+         "reads target layers [1, 9]; the target has 4"),
+        (variant("shape", state_fn=lambda s: s | {"fc.weight": s["fc.weight"][:, :10].contiguous()}),
+         "'fc.weight' has shape"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ModelLoadError, match=re.escape(message)) as e:
+            load_head(path, target.config)
+        assert "\n" not in str(e.value)
