@@ -106,6 +106,15 @@ MUTANTS = [
     Mutant("seeded requests take the batch's adaptive k", "minispec/spec_decode/adaptive.py",
            "        return self.seeded_costs is not None and req.params.seed is not None", "        return False",
            ("tests/test_engine.py::test_seeded_requests_reproducible_under_adaptive_k",)),
+    # ---- the EAGLE head proposer
+    Mutant("head: drafts drawn with mass outside the draft vocabulary, whose cached q is 0",
+           "minispec/spec_decode/head.py",
+           "            tok = draw_drafts(full, sampling, u[:, j])",
+           "            tok = draw_drafts(full.nan_to_num(neginf=0.0), sampling, u[:, j])",
+           ("tests/test_lossless.py::test_head_sampling_matches_target_law",)),
+    Mutant("head: each position read with the token at it instead of the one after", "minispec/spec_decode/head.py",
+           "            tokens.append(r.token_ids[start + 1 : n + 1])", "            tokens.append(r.token_ids[start : n])",
+           ("tests/test_head.py::test_proposals_are_the_head_on_the_accepted_context",)),
 ]
 
 

@@ -219,6 +219,27 @@ def test_skips_and_stale_drafts_keep_the_target_law(engines, hf_models):
     assert 0.2 * drafted < stale < 0.8 * drafted and accepted > 0.1 * drafted
 
 
+HEAD_SETTINGS = [SETTINGS[0], SETTINGS[6]]
+
+
+@pytest.mark.parametrize("name, settings, k", HEAD_SETTINGS, ids=[s[0] for s in HEAD_SETTINGS])
+def test_head_sampling_matches_target_law(target_dir, hf_models, name, settings, k):
+    """An EAGLE-3 head drafting over 20 of the 32 tokens (q = 0 on the others) keeps the target's laws."""
+    from minispec.models.loader import load_model
+    from minispec.tools.tiny import make_tiny_head
+
+    target = load_model(target_dir, dtype=torch.float32, device=torch.device("cpu"))
+    head = make_tiny_head(target.config, version=3, draft_vocab_size=20, seed=7)
+    llm = LLM(target, draft=head, num_speculative_tokens=k, max_num_seqs=256, max_num_batched_tokens=4096)
+    exact = ExactLaws(*hf_models, SamplingParams(**settings))
+    idx = [s[0] for s in HEAD_SETTINGS].index(name)
+    counts, outs = sample_counts(llm, settings, seed0=700_000_000 + 1_000_000 * idx)
+    check_marginals(f"head k={k} {name}", counts, exact.target())
+    accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
+    drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
+    assert drafted >= N and 0 < accepted < drafted
+
+
 def test_tp2_sampling_matches_target_law(target_dir, draft_dir, hf_models, tmp_path):
     """tp = 2 under torchrun (gloo): vocabulary-sharded logits, batch-sharded verification and a sharded draft-logits
     cache; a budget that skips decodes, so drafts also go stale across ranks. N / 2 requests (two processes on

@@ -117,7 +117,7 @@ def make_tiny_head(target_config, version: int = 3, draft_vocab_size: int | None
     c = target_config
     n = c.num_hidden_layers
     vocab = c.vocab_size
-    layers = feature_layers or ((n,) if version == 1 else tuple(min(i, n - 1) for i in aux_layers_default(n)))
+    layers = feature_layers or ((n,) if version == 1 else tuple(max(0, min(i, n - 1)) for i in aux_layers_default(n)))
     cfg = HeadConfig(version=version, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                      head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
