@@ -31,7 +31,7 @@ from minispec.llm import DEFAULT_TARGET, param_bytes
 from minispec.models.quantize import check_quantization, is_self_draft
 from minispec.spec_decode.costs import measure_costs
 from minispec.tools.config import load_settings
-from minispec.tools.metrics import aggregate, predicted_speedup
+from minispec.tools.metrics import acceptance_by_position, aggregate, predicted_speedup, tau_from_acceptance
 from minispec.tools.prompts import encode_prompts
 
 NGRAM = "ngram"
@@ -114,9 +114,26 @@ def split_draft(draft: str) -> tuple[str, str | None]:
     return spec, quantization
 
 
+def is_head(draft: str) -> bool:
+    """Whether a draft entry names an EAGLE head (a checkpoint directory or a shipped head)."""
+    from minispec.models.eagle import is_head_checkpoint
+    from minispec.models.loader import SHIPPED_DRAFTS
+
+    spec = split_draft(draft)[0]
+    return is_head_checkpoint(SHIPPED_DRAFTS.get(spec.lower(), spec))
+
+
 def minispec_only(draft: str) -> bool:
-    """A draft transformers cannot run as an assistant: a self-draft or a draft quantised at load."""
-    return is_self_draft(draft) or split_draft(draft)[1] is not None
+    """A draft transformers cannot run as an assistant: a self-draft, a draft quantised at load or an EAGLE head."""
+    return is_self_draft(draft) or split_draft(draft)[1] is not None or is_head(draft)
+
+
+def cost_draft(llm):
+    """What measure_costs times for an LLM's proposer: its draft model, its head's runner, or "ngram"."""
+    if llm.head is not None:
+        return llm.engine.proposer.runner
+    return NGRAM if llm.draft is None else llm.draft.model
+
 
 
 def draft_label(draft: str | None) -> str:
@@ -341,11 +358,13 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         from minispec.spec_decode.costs import MeasuredCosts
 
         for d in cfg.drafts:
-            draft = NGRAM if d == NGRAM else llms[d].draft
-            costs = MeasuredCosts(llms[d].target.model, NGRAM if d == NGRAM else draft.model, cfg.k, max_b,
+            draft = NGRAM if d == NGRAM else llms[d].head if llms[d].head is not None else llms[d].draft
+            costs = MeasuredCosts(llms[d].target.model, cost_draft(llms[d]), cfg.k, max_b,
                                   llms[d].target.vocab_size, dtype, device)
             policy = AdaptiveK(cfg.k, cost_model=costs)
-            adaptive_llms[d] = LLM(llms[d].target, draft, ngram_n=NGRAM_N, k_policy=policy, **common)
+            quantization = split_draft(d)[1] if llms[d].head is not None else None
+            adaptive_llms[d] = LLM(llms[d].target, draft, ngram_n=NGRAM_N, k_policy=policy,
+                                   draft_quantization=quantization, **common)
     rows = build_rows(cfg, hf_target, hf_drafts, llms, pad_id, adaptive_llms)
     runnable = [r for r in rows if r.run is not None]
     batches = {b: batches_of(prompts, b) for b in cfg.batch_sizes}
@@ -361,7 +380,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     # Machine figures: bandwidth, and minispec's forward cost ratios at each batch size.
     bandwidth = measure_bandwidth(device, cfg.bandwidth_mib)
     ctx = min(int(np.mean([len(p) for p in prompts])) + cfg.max_tokens // 2, max_len - 1)
-    model_drafts = {d: llms[d].draft.model for d in cfg.drafts if d != NGRAM}
+    model_drafts = {d: cost_draft(llms[d]) for d in cfg.drafts if d != NGRAM}
     decode_s, verify_ratio, draft_c = {}, {}, {d: {} for d in model_drafts}
     for b in cfg.batch_sizes:
         bar.set_postfix_str(f"cost ratios b={b}", refresh=True)
@@ -431,7 +450,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                      alpha=alpha, draft_cost_ratio=c, verify_ratio=v, measured_speedup=meas, predicted_speedup=pred,
                      engine_efficiency=meas / pred if meas else None,
                      num_spec_verifications=m["num_spec_verifications"], num_draft_tokens=m["num_draft_tokens"], num_accepted_tokens=m["num_accepted_tokens"],
-                     accepted_per_position=m["accepted_per_position"])
+                     accepted_per_position=m["accepted_per_position"], acceptance_by_position=acceptance_by_position(m))
         elif r.system == "minispec" and r.method.startswith("target-only ") and r.outputs:  # a quantised target
             q = r.method.split()[1]
             d.update(measured_speedup=ts / ms_base[key] if ts and ms_base.get(key) else None,
@@ -579,6 +598,13 @@ def format_table(result: dict) -> str:
     for row in result["rows"]:
         cells = [_cell(row, key, fmt) for _, _, key, fmt in COLUMNS]
         lines.append(" ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w, _, _)) in enumerate(zip(cells, COLUMNS))))
+    for row in result["rows"]:
+        if row.get("acceptance_by_position"):
+            acc = row["acceptance_by_position"]
+            lines.append(f"{draft_label(row['draft'])} k={cfg['k']} b={row['batch_size']} T={row['temperature']:g}: "
+                         f"acceptance by position (given the earlier ones accepted) "
+                         + " / ".join(f"{a:.3f}" for a in acc) + "; tau at k = "
+                         + ", ".join(f"{k}: {tau_from_acceptance(acc, k):.2f}" for k in range(1, len(acc) + 1)))
     for row in result["rows"]:
         if "greedy_agreement" in row:
             g = row["greedy_agreement"]

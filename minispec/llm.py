@@ -184,7 +184,7 @@ class LLM:
         self.draft = None
         k = num_speculative_tokens if draft is not None else 0
         max_len = min(max_model_len or 2048, self.target.max_model_len)
-        head = _head(draft, self.target)
+        head = self.head = _head(draft, self.target)  # an EAGLE head, or None
         if head is not None:
             if draft_dtype is not None:
                 raise ValueError("a draft head runs in float32 (packed with draft_quantization); drop draft_dtype")

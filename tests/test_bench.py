@@ -7,6 +7,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from minispec import bench
 from tests.utils import make_tiny_model_dir, requires_smollm2
@@ -22,21 +23,27 @@ def quick_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     target = make_tiny_model_dir(str(root / "target"), with_tokenizer=True)
     draft = make_tiny_model_dir(str(root / "draft"), with_tokenizer=True)  # same seed: the target's twin
+    from minispec.models.eagle import save_head
+    from minispec.models.loader import load_model
+    from minispec.tools.tiny import make_tiny_head
+
+    head = str(root / "head")  # an EAGLE-3 head over 4096 of the tokens: minispec only
+    save_head(make_tiny_head(load_model(target, dtype=torch.float32, device="cpu").config, draft_vocab_size=4096), head)
     out = root / "bench.json"
     env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     r = subprocess.run(
-        [sys.executable, "-m", "minispec.bench", "--quick", "--target", target, "--draft", draft, "--draft", "ngram",
+        [sys.executable, "-m", "minispec.bench", "--quick", "--target", target, "--draft", draft, "--draft", "ngram", "--draft", head,
          "-k", str(K), "--max-tokens", str(MAX_TOKENS), "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    return r, json.loads(out.read_text()), target, draft
+    return r, json.loads(out.read_text()), target, draft, head
 
 
 @pytest.mark.slow
 @requires_smollm2
 def test_quick_run_table_and_json(quick_run):
-    r, result, target, draft = quick_run
+    r, result, target, draft, head = quick_run
     rows = result["rows"]
     keys = {(x["system"], x["method"], x["draft"], x["batch_size"], x["temperature"]) for x in rows}
     expected = set()
@@ -44,7 +51,8 @@ def test_quick_run_table_and_json(quick_run):
         expected |= {("transformers", "target-only", None, 1, t), ("transformers", "assisted", draft, 1, t),
                      ("transformers", "prompt-lookup", "ngram", 1, t), ("minispec", "target-only", None, 1, t),
                      ("minispec", "speculative", draft, 1, t), ("minispec", "speculative", "ngram", 1, t),
-                     ("minispec", "adaptive-k", draft, 1, t), ("minispec", "adaptive-k", "ngram", 1, t)}
+                     ("minispec", "adaptive-k", draft, 1, t), ("minispec", "adaptive-k", "ngram", 1, t),
+                     ("minispec", "speculative", head, 1, t), ("minispec", "adaptive-k", head, 1, t)}
     assert keys == expected and len(rows) == len(expected)
     num_prompts = result["prompts"]["num"]
     for x in rows:
@@ -63,8 +71,11 @@ def test_quick_run_table_and_json(quick_run):
         assert 0.0 <= x["alpha"] <= 1.0 and 0.0 <= x["acceptance_rate"] <= 1.0
         assert x["verify_ratio"] > 0 and x["predicted_speedup"] > 0 and x["engine_efficiency"] > 0
         assert x["measured_speedup"] > 0
+        assert len(x["acceptance_by_position"]) == K
         if x["draft"] == "ngram":
             assert x["draft_cost_ratio"] == 0.0
+        elif x["draft"] == head:  # a random head: acceptance is whatever it is, its cost is measured
+            assert x["draft_cost_ratio"] > 0
         else:
             assert x["draft_cost_ratio"] > 0
             # The draft is the target's twin: every draft is accepted, so alpha is exactly 1.
@@ -84,6 +95,8 @@ def test_quick_run_table_and_json(quick_run):
     assert set(result["costs"]["verify_ratio"]) == {"1"}
     assert result["costs"]["draft_cost_ratio"]["ngram"] == {"1": 0.0}
     assert result["costs"]["draft_cost_ratio"][draft]["1"] > 0
+    assert result["costs"]["draft_cost_ratio"][head]["1"] > 0
+    assert "acceptance by position" in r.stdout
 
     # The table: header, one line per row, the roofline and cost lines.
     for needle in ("tok/s", "vs HF", "eff", "memory bandwidth", "roofline", "verify cost ratio",

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from minispec.distill.head_data import load_records, read_manifest
 from minispec.models.eagle import EagleHead, HeadConfig, save_head
+from minispec.tools.metrics import tau_from_acceptance
 
 
 @dataclass
@@ -186,18 +187,10 @@ def evaluate(head: EagleHead, emb_table, batches: Batches, steps: int) -> dict:
     head.train()
     out = {f"acc_{j + 1}": right[j] / max(total[j], 1) for j in range(steps)}
     out |= {f"loss_{j + 1}": loss[j] / max(n, 1) for j in range(steps)}
-    out["tau_greedy_k"] = {k: expected_tau([out[f"acc_{j + 1}"] for j in range(min(k, steps))]) for k in (1, 2, 3, 4)}
+    out["tau_greedy_k"] = {k: tau_from_acceptance([out[f"acc_{j + 1}"] for j in range(steps)], k) for k in range(1, steps + 1)}
     out["eval_positions"] = total[0]
     return out
 
-
-def expected_tau(acc: list[float]) -> float:
-    """Tokens per verification from conditional acceptances a_1.., the last one repeated up to k: 1 + a1 + a1 a2 + .."""
-    tau, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        tau += run
-    return tau
 
 
 def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log=print) -> dict:

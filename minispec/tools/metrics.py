@@ -28,8 +28,8 @@ import numpy as np
 from minispec.engine.request import RequestMetrics
 from minispec.spec_decode.adaptive import expected_tokens, predicted_speedup
 
-__all__ = ["aggregate", "alpha_mle", "expected_tokens", "first_position_rate", "per_token_agreement",
-           "predicted_speedup", "tau_from_agreement"]
+__all__ = ["acceptance_by_position", "aggregate", "alpha_mle", "expected_tokens", "first_position_rate", "per_token_agreement",
+           "predicted_speedup", "tau_from_acceptance", "tau_from_agreement"]
 
 COUNTERS = ("num_spec_verifications", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
             "num_stale_drafts")
@@ -88,3 +88,19 @@ def tau_from_agreement(agree: Sequence[np.ndarray], k: int) -> float:
             run[t] = min(run[t + 1] + 1, k) if a[t] else 0
         runs.append(run[:-1])
     return float(1 + np.concatenate(runs).mean())
+
+
+def acceptance_by_position(m: dict) -> list[float]:
+    """Conditional acceptance at each draft position of summed counters (aggregate's): accepted at j / accepted at
+    j - 1, position 1 over the verifications with drafts (fixed-k runs)."""
+    counts = [m["num_spec_verifications"]] + list(m["accepted_per_position"])
+    return [counts[j + 1] / counts[j] if counts[j] else 0.0 for j in range(len(counts) - 1)]
+
+
+def tau_from_acceptance(acc: list[float], k: int) -> float:
+    """Tokens per verification at k drafts from conditional acceptances a_1, a_2, ..: 1 + a_1 + a_1 a_2 + ..."""
+    tau, run = 1.0, 1.0
+    for a in acc[:k]:
+        run *= a
+        tau += run
+    return tau
