@@ -52,6 +52,7 @@ class HeadTrainConfig:
     eval_every: int = 200
     seed: int = 0
     threads: int = 0
+    bf16: bool = True  # autocast the head's matmuls to bfloat16 (AVX512-BF16 / AMX / tensor cores); weights float32
 
 
 def draft_vocabulary(records: list[dict], size: int, vocab_size: int) -> torch.Tensor:
@@ -262,7 +263,8 @@ def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log
             t1 = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
-            losses, counts = step_losses(head, emb_table, batch, cfg.ttt_steps, cfg.soft)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                losses, counts = step_losses(head, emb_table, batch, cfg.ttt_steps, cfg.soft)
             loss = sum(0.8 ** j * l for j, l in enumerate(losses))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -271,10 +273,10 @@ def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log
             step += 1
             train_s += time.perf_counter() - t1
             bar.update(1)
-            bar.set_postfix(loss=f"{float(losses[0]):.3f}", acc1=f"{counts[0][0] / max(counts[0][1], 1):.2f}")
+            bar.set_postfix(loss=f"{float(losses[0].detach()):.3f}", acc1=f"{counts[0][0] / max(counts[0][1], 1):.2f}")
             if step % cfg.eval_every == 0 or step == total_steps:
                 ev = evaluate(head, emb_table, eval_b, cfg.ttt_steps)
-                history.append({"step": step, "train_s": round(train_s, 1), "train_loss_1": float(losses[0])} | ev)
+                history.append({"step": step, "train_s": round(train_s, 1), "train_loss_1": float(losses[0].detach())} | ev)
                 log(f"head: step {step}: eval acc " + " ".join(f"{ev[f'acc_{j + 1}']:.3f}" for j in range(cfg.ttt_steps)))
                 save_all()
             if step >= total_steps or (cfg.time_budget_min and time.perf_counter() - run_t0 > 60 * cfg.time_budget_min):
