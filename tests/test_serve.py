@@ -1,6 +1,7 @@
 """python -m minispec.serve: the OpenAI API through the official openai client, under load and faults."""
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -248,14 +249,14 @@ def test_api_key_and_bounded_queue(model_dirs):
             s.close()  # the clients leave: their requests are aborted
         assert wait_idle(srv, 2) == idle_state(2)
         assert c.completions.create(model="tiny", prompt="now", max_tokens=2).usage.completion_tokens >= 1
-        # A non-streaming client that gives up: its request is aborted, not run to its 500 tokens.
+        # A non-streaming client that gives up: its request is aborted, not run to its 250 tokens.
         from minispec.serve.load import metric
 
         aborted = lambda: metric(srv.metrics.render().decode(), "vllm:request_success_total", 'reason="abort"')
         before = aborted()
         with pytest.raises(openai.APITimeoutError):
             client(url, api_key="sekret", timeout=0.5).completions.create(
-                model="tiny", prompt="long", max_tokens=500, extra_body={"ignore_eos": True})
+                model="tiny", prompt="long", max_tokens=250, extra_body={"ignore_eos": True})
         assert wait_idle(srv, 2) == idle_state(2)
         assert aborted() == before + 1
 
@@ -340,3 +341,125 @@ def test_torchrun_rank0_serves_and_rank1_follows(model_dirs, tmp_path):
     assert all(r.finish_reason == "length" and r.completion_tokens == 16 for r in got[1:5])
     assert "rank 1: stopped with rank 0" in out, out[-3000:]
     assert "CollectiveError" not in out and "error:" not in out, out[-3000:]
+
+
+# ---- issue 28: every bad input a 4xx, one request never the service -------------------------------------------
+NEST = 50_000  # deep enough for a RecursionError in json.loads
+# Values no numeric field takes: past int64, past float, NaN / inf (Python's json reads those literals), deep
+# nesting below and above json's own recursion limit, a lone surrogate, wrong types. Raw JSON text each.
+FUZZ_VALUES = ["100000000000000000000", str(2**63), str(-(2**63) - 1), str(2**64), "1e400", "-1e400", "NaN",
+               "Infinity", "-Infinity", "[" * 100 + "]" * 100, '"\\ud800"', '"7"', "[7]", '{"x": 7}', "true", "-1.5"]
+FUZZ_FIELDS = ["top_k", "seed", "max_tokens", "temperature", "top_p", "stop_token_ids", "n", "logprobs",
+               "top_logprobs", "stop", "stream", "ignore_eos", "stream_options", "prompt"]
+# (field, value) pairs that are valid requests: an answer (200) rather than a 400.
+FUZZ_VALID = {("temperature", "100000000000000000000"), ("temperature", str(2**63)), ("temperature", str(2**64)),
+              ("stream", "true"), ("ignore_eos", "true"), ("stream_options", '{"x": 7}'), ("prompt", "[7]"),
+              ("prompt", '"7"'), ("stop", '"7"'), ("stop_token_ids", "[7]")}
+
+
+class Records(logging.Handler):
+    """Collects the log records of one logger (uvicorn's, whose records do not propagate to pytest's caplog)."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.DEBUG)
+        self.records, self.logger = [], logging.getLogger(name)
+
+    def __enter__(self):
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def fuzz_cases() -> list[tuple[str, bytes, int, str | None]]:
+    """(path, raw body, status, param): every field with every value, the issue's bodies, the refused fields."""
+    cases = []
+    for field in FUZZ_FIELDS:
+        for value in FUZZ_VALUES:
+            head = '{"prompt": "Hi", "max_tokens": 2' if field != "max_tokens" else '{"prompt": "Hi"'
+            if field == "prompt":
+                head = '{"max_tokens": 2'
+            status = 200 if (field, value) in FUZZ_VALID else 400
+            cases.append(("/completions", f'{head}, "{field}": {value}}}'.encode(), status, field))
+    deep = ("[" * NEST + "]" * NEST).encode()
+    cases += [
+        ("/completions", b'{"prompt": "Hi", "max_tokens": 2, "top_k": ' + deep + b"}", 400, None),
+        ("/completions", b'{"prompt": ' + deep + b"}", 400, None),
+        ("/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
+        ("/completions", b'{"prompt": "a\xed\xa0\x80b", "max_tokens": 2}', 400, "prompt"),  # raw, as UTF-8 would be
+        ("/completions", b'{"prompt": [1, 100000000000000000000], "max_tokens": 2}', 400, "prompt"),
+        ("/completions", b'{"prompt": "Hi", "stop_token_ids": [1, 9223372036854775808]}', 400, "stop_token_ids"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}', 400,
+         "messages"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": '
+         b"100000000000000000000}", 400, "max_completion_tokens"),
+    ]
+    refused = {"response_format": {"type": "json_object"}, "tools": [{"type": "function"}], "tool_choice": "auto",
+               "parallel_tool_calls": False, "modalities": ["text", "audio"], "reasoning_effort": "low",
+               "functions": [{"name": "f"}], "echo": True, "n": 2, "logprobs": True, "top_logprobs": 2}
+    for field, value in refused.items():
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, field: value}
+        cases.append(("/chat/completions", json.dumps(body).encode(), 400, field))
+    return cases
+
+
+def test_fuzzed_fields_get_400s_while_seeded_streams_finish_their_text(server):
+    """The fuzz (four threads) beside four seeded streams: each bad body gets a one-line 400 naming its field,
+    nothing is logged as a traceback, and the streams' text equals a run without the fuzz."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from minispec.serve.load import drive
+
+    srv, url = server
+    ref = asyncio.run(drive(url, "tiny", range(4), 4, max_tokens=48))
+    cases = fuzz_cases()
+    half = threading.Event()
+
+    def send(i):
+        path, body, _, _ = cases[i]
+        if i == len(cases) // 4:
+            half.set()
+        return http(url, "POST", path, body)
+
+    def healthy():
+        half.wait(60)
+        return asyncio.run(drive(url, "tiny", range(4), 4, max_tokens=48))
+
+    with Records("uvicorn.error") as log, ThreadPoolExecutor(5) as pool:
+        streams = pool.submit(healthy)
+        answers = list(pool.map(send, range(len(cases))))
+        got = streams.result(120)
+    assert [(r.text, r.finish_reason, r.error) for r in got] == [(r.text, "length", None) for r in ref]
+    for (path, body, status, param), (got_status, _, text) in zip(cases, answers):
+        assert got_status == status, (body[:90], text[:300])
+        if status == 400:
+            err = json.loads(text)["error"]
+            assert text.count("\n") == 0 and err["param"] == param and err["message"], (body[:90], text)
+    assert not [r.getMessage() for r in log.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert http(url.rsplit("/v1", 1)[0], "GET", "/health")[0] == 200
+    assert wait_idle(srv) == idle_state()
+
+
+def test_ranges_and_the_context_are_named_in_the_errors(server):
+    srv, url = server
+    ctx = srv.llm.engine.config.max_model_len
+    prompt = [1] * (ctx - 10)
+    for body, param, words in [
+        ({"prompt": "Hi", "top_k": 2**63}, "top_k", "[-1, 2147483647]"),
+        ({"prompt": "Hi", "seed": 2**63}, "seed", "[-9223372036854775808, 9223372036854775807]"),
+        ({"prompt": "Hi", "top_p": 1.5}, "top_p", "(0, 1]"),
+        ({"prompt": "Hi", "temperature": -1}, "temperature", ">= 0"),
+        ({"prompt": "Hi", "stop_token_ids": [10**9]}, "stop_token_ids", f"[0, {srv.llm.engine.vocab_size - 1}]"),
+        ({"prompt": prompt, "max_tokens": 11}, "max_tokens", "must be in [1, 10]"),  # vLLM's 400, not 10 tokens
+    ]:
+        status, _, text = http(url, "POST", "/completions", json.dumps(body).encode())
+        err = json.loads(text)["error"]
+        assert status == 400 and err["param"] == param and words in err["message"], text
+    status, _, text = http(url, "POST", "/completions", json.dumps({"prompt": prompt}).encode())
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] <= 10  # the default 16, as many as fit
+    out = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=10, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 10 and out.choices[0].finish_reason == "length"
