@@ -463,3 +463,53 @@ def test_ranges_and_the_context_are_named_in_the_errors(server):
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] <= 10  # the default 16, as many as fit
     out = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=10, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 10 and out.choices[0].finish_reason == "length"
+
+
+def test_a_failing_request_ends_alone(server, monkeypatch):
+    """An error while adding one request (here injected) answers that request 500; the loop serves on."""
+    srv, url = server
+    add = srv.llm.add_request
+
+    def failing(prompt, params, **kw):
+        if list(prompt) == [5, 5, 5]:
+            raise OverflowError("injected")
+        return add(prompt, params, **kw)
+
+    monkeypatch.setattr(srv.llm, "add_request", failing)
+    status, _, text = http(url, "POST", "/completions", b'{"prompt": [5, 5, 5]}')
+    assert status == 500 and "OverflowError: injected" in json.loads(text)["error"]["message"]
+    out = client(url).completions.create(model="tiny", prompt=[5, 5], max_tokens=3)
+    assert out.usage.completion_tokens >= 1 and srv.loop.alive
+
+
+class FailingStep(Observer):
+    """Raises in the engine's fifth step (of one request of 200 tokens, 4 at most a step): the engine loop
+    itself cannot go on."""
+
+    steps = 0
+
+    def on_step(self, step) -> None:
+        self.steps += 1
+        if self.steps == 5:
+            raise RuntimeError("injected step failure")
+
+
+def test_a_dead_engine_loop_stops_the_server(model_dirs, caplog):
+    """The running stream ends with the reason, the reason is logged, and the server stops (the CLI then
+    exits 1) rather than answering 503 for ever."""
+    with serving(*model_dirs, observer=FailingStep()) as (srv, url):
+        stream = client(url).completions.create(model="tiny", prompt="Go on", max_tokens=200, stream=True,
+                                                extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="engine loop failed: RuntimeError: injected step failure"):
+            list(stream)
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        for _ in range(200):  # bounded: the server stops within its graceful-shutdown time
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            except ConnectionRefusedError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the server still listens after its engine loop died")
+        assert srv.loop.error == "engine loop failed: RuntimeError: injected step failure"
+    assert any(r.name == "minispec.serve" and "engine loop failed" in r.getMessage() for r in caplog.records)

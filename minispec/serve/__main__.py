@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 0:
         parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    logging.basicConfig(format="%(levelname)s:  %(message)s")  # as uvicorn's lines
     rank0 = int(os.environ.get("RANK", "0")) == 0
     sock = bind(args.host, args.port, parser) if rank0 else None
     from minispec.distributed import CollectiveError

@@ -32,6 +32,7 @@ class OpenAIServer:
 
     max_queue: requests admitted beyond the engine's slots (max_num_seqs) before answering 429.
     api_key: if set, /v1 routes need "Authorization: Bearer <api_key>" (else 401).
+    If the engine loop dies, the server stops (and python -m minispec.serve exits 1).
     """
 
     def __init__(self, llm, model_name: str, max_queue: int = 128, api_key: str | None = None,
@@ -44,7 +45,7 @@ class OpenAIServer:
         self.open: set[str] = set()  # ids of admitted requests not yet answered (event-loop thread only)
         self.created = int(time.time())
         self.metrics = ServerMetrics(model_name, llm.num_speculative_tokens)
-        self.loop = EngineLoop(llm, self.metrics)
+        self.loop = EngineLoop(llm, self.metrics, on_failure=self.shutdown)
         self._uvicorn: uvicorn.Server | None = None
         routes = [
             Route("/health", self.health, methods=["GET"]),
