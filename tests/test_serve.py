@@ -513,3 +513,56 @@ def test_a_dead_engine_loop_stops_the_server(model_dirs, caplog):
             pytest.fail("the server still listens after its engine loop died")
         assert srv.loop.error == "engine loop failed: RuntimeError: injected step failure"
     assert any(r.name == "minispec.serve" and "engine loop failed" in r.getMessage() for r in caplog.records)
+
+
+def raw_exchange(port: int, data: bytes, then_close: bool = False) -> bytes:
+    """Send data on a fresh connection (then close it, or wait); what the server sent before it closed."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(data)
+        if then_close:
+            return b""
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_stalled_and_leaving_clients(model_dirs, caplog):
+    """A stalled body gets 408 and the connection closes; stalled or missing headers close the connection; a
+    client that leaves mid-body is one log line, no traceback; the server answers on."""
+    with serving(*model_dirs, header_timeout_s=1.0, body_timeout_s=1.0) as (srv, url):
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        with Records("uvicorn.error") as log:
+            answer = raw_exchange(port, head + b'{"prompt": ')
+            assert answer.startswith(b"HTTP/1.1 408 ") and b"the body did not arrive within 1 s" in answer
+            assert raw_exchange(port, head[:40]) == b""  # headers cut short: closed, unanswered
+            assert raw_exchange(port, b"") == b""  # nothing sent at all
+            raw_exchange(port, head + b'{"prompt": ', then_close=True)
+            for _ in range(100):  # bounded: the server notices the close at its next read
+                if any("left after" in r.getMessage() for r in caplog.records):
+                    break
+                time.sleep(0.05)
+            out = client(url).completions.create(model="tiny", prompt="still here?", max_tokens=3)
+        left = [r.getMessage() for r in caplog.records if "left after" in r.getMessage()]
+        assert left == ["POST /v1/completions: the client left after 11 of 100 body bytes"]
+        assert not [r.getMessage() for r in log.records if r.levelno >= logging.WARNING or r.exc_info]
+        assert out.usage.completion_tokens >= 1
+
+
+def test_connection_limit(model_dirs):
+    """max_connections open connections: a request on one more gets uvicorn's 503, and 200 once they close."""
+    with serving(*model_dirs, max_connections=4) as (srv, url):
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(4)]
+        try:
+            assert http(url, "GET", "/models")[0] == 503
+        finally:
+            for s in idle:
+                s.close()
+        for _ in range(100):  # bounded: the server sees the closes at its next read
+            if http(url, "GET", "/models")[0] == 200:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the server still answers 503 with its connections closed")
