@@ -105,6 +105,13 @@ def test_models_completion_and_chat(server):
     srv, url = server
     c = client(url)
     assert [m.id for m in c.models.list().data] == ["tiny"]
+    assert c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4")
+    status, _, text = http(url, "GET", "/models/org/gpt-4")
+    assert status == 404 and json.loads(text)["error"] == {
+        "message": "the model \"org/gpt-4\" does not exist; this server serves 'tiny'", "type": "invalid_request_error",
+        "param": "model", "code": "model_not_found"}
     out = c.completions.create(model="tiny", prompt="Hello there", max_tokens=7, temperature=0, seed=1,
                                extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length" and out.choices[0].text

@@ -19,7 +19,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minispec.serve.engine_loop import EngineLoop, Update
 from minispec.serve.metrics import ServerMetrics
-from minispec.serve.protocol import APIError, Job, parse_job, parse_json
+from minispec.serve.protocol import APIError, Job, model_not_found, parse_job, parse_json
 from minispec.serve.text import TextStream
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies get 413
@@ -65,6 +65,7 @@ class OpenAIServer:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
         ]
@@ -103,9 +104,18 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         self._check_key(request)
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minispec",
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_key(request)
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            raise model_not_found(model_id, self.model_name)
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minispec",
                 "max_model_len": self.llm.engine.config.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
