@@ -251,14 +251,19 @@ def test_api_key_and_bounded_queue(model_dirs):
         assert json.loads(text)["error"]["type"] == "rate_limit_error"
         with pytest.raises(openai.RateLimitError):
             c.completions.create(model="tiny", prompt="one more", max_tokens=2)
-        for s in streams:
+        for s in streams[:2]:
             next(iter(s))
-            s.close()  # the clients leave: their requests are aborted
-        assert wait_idle(srv, 2) == idle_state(2)
-        assert c.completions.create(model="tiny", prompt="now", max_tokens=2).usage.completion_tokens >= 1
-        # A non-streaming client that gives up: its request is aborted, not run to its 250 tokens.
         from minispec.serve.load import metric
 
+        usage = lambda: metric(srv.metrics.render().decode(), "vllm:kv_cache_usage_perc")
+        assert 0 < usage() <= 1  # two running requests hold their prompts' and outputs' KV
+        for s in streams:
+            s.close()  # the clients leave: their requests are aborted
+        assert wait_idle(srv, 2) == idle_state(2)
+        engine_state(srv)  # one more loop iteration: the metrics of the last one are set
+        assert usage() == 0 and metric(srv.metrics.render().decode(), "vllm:num_preemptions_total") == 0
+        assert c.completions.create(model="tiny", prompt="now", max_tokens=2).usage.completion_tokens >= 1
+        # A non-streaming client that gives up: its request is aborted, not run to its 250 tokens.
         aborted = lambda: metric(srv.metrics.render().decode(), "vllm:request_success_total", 'reason="abort"')
         before = aborted()
         with pytest.raises(openai.APITimeoutError):

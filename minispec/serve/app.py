@@ -58,7 +58,8 @@ class OpenAIServer:
         self.max_in_flight = llm.engine.config.max_num_seqs + max_queue
         self.open: set[str] = set()  # ids of admitted requests not yet answered (event-loop thread only)
         self.created = int(time.time())
-        self.metrics = ServerMetrics(model_name, llm.num_speculative_tokens)
+        config = llm.engine.config
+        self.metrics = ServerMetrics(model_name, llm.num_speculative_tokens, config.max_num_seqs * config.max_model_len)
         self.loop = EngineLoop(llm, self.metrics, on_failure=self.shutdown)
         self._uvicorn: uvicorn.Server | None = None
         routes = [

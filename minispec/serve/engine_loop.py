@@ -208,7 +208,8 @@ class EngineLoop:
         if self.engine.has_unfinished():
             self._deliver(self.engine.step())
         if self.metrics is not None:
-            self.metrics.observe_queue(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
+            s = self.engine.scheduler
+            self.metrics.observe_queue(len(s.running), len(s.waiting), sum(r.num_computed for r in s.running))
         return True
 
     def _deliver(self, outputs) -> None:
