@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from minispec.serve.engine_loop import EngineLoop, Update
+from minispec.serve.engine_loop import EngineLoop, Update, one_line
 from minispec.serve.metrics import ServerMetrics
 from minispec.serve.protocol import APIError, Job, model_not_found, parse_job, parse_json
 from minispec.serve.text import TextStream
@@ -276,8 +276,7 @@ class OpenAIServer:
         return error_response(APIError(e.status_code, message, type=kind, headers=e.headers))
 
     async def _server_error(self, request: Request, e: Exception) -> Response:
-        line = str(e).splitlines()[0] if str(e) else ""
-        return error_response(APIError(500, f"internal error: {type(e).__name__}: {line}", type="server_error"))
+        return error_response(APIError(500, f"internal error: {one_line(e)}", type="server_error"))
 
 
 class HeaderTimeoutProtocol(H11Protocol):

@@ -25,6 +25,7 @@ from minispec.tools.metrics import COUNTERS
 
 log = logging.getLogger("minispec.serve")
 
+
 @dataclass(slots=True)
 class Update:
     """What one engine step gave one request; finish_reason is set on its last update."""
@@ -58,7 +59,7 @@ def apply_commands(llm, commands: list[tuple]) -> tuple[bool, dict[str, str]]:
             try:
                 llm.add_request(prompt_ids, params, request_id=req_id)
             except Exception as e:  # noqa: BLE001 — this request alone fails, the same on every rank: each skips it
-                failed[req_id] = f"{type(e).__name__}: {_first_line(e)}"
+                failed[req_id] = one_line(e)
         elif cmd[0] == "abort":
             llm.abort(cmd[1])
         elif cmd[0] == "stop":
@@ -141,7 +142,7 @@ class EngineLoop:
             while self._iterate():
                 pass
         except Exception as e:  # noqa: BLE001 — the loop is dead: tell every waiting client why, then stop
-            reason = f"engine loop failed: {type(e).__name__}: {_first_line(e)}"
+            reason = f"engine loop failed: {one_line(e)}"
             self.error = reason
             log.exception(reason)
         for live in self._live.values():
@@ -256,5 +257,6 @@ class EngineLoop:
                 cmd[2].set_exception(RuntimeError(reason))
 
 
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else ""
+def one_line(e: Exception) -> str:
+    """An exception as one line: its type and its message up to the first line break."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
