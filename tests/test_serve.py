@@ -467,6 +467,7 @@ def test_ranges_and_the_context_are_named_in_the_errors(server):
         ({"prompt": "Hi", "temperature": -1}, "temperature", ">= 0"),
         ({"prompt": "Hi", "stop_token_ids": [10**9]}, "stop_token_ids", f"[0, {srv.llm.engine.vocab_size - 1}]"),
         ({"prompt": prompt, "max_tokens": 11}, "max_tokens", "must be in [1, 10]"),  # vLLM's 400, not 10 tokens
+        ({"prompt": "Hi", "stop": ["x"] * 17}, "stop", "at most 16 strings"),
     ]:
         status, _, text = http(url, "POST", "/completions", json.dumps(body).encode())
         err = json.loads(text)["error"]
@@ -475,6 +476,17 @@ def test_ranges_and_the_context_are_named_in_the_errors(server):
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] <= 10  # the default 16, as many as fit
     out = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=10, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 10 and out.choices[0].finish_reason == "length"
+
+
+def test_a_chat_template_error_is_a_400(server, monkeypatch):
+    """Chat templates reject conversations by raise_exception (roles that do not alternate, say)."""
+    srv, url = server
+    monkeypatch.setattr(srv.llm.tokenizer, "chat_template", "{{ raise_exception('roles must alternate') }}")
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    status, _, text = http(url, "POST", "/chat/completions", json.dumps(body).encode())
+    assert status == 400 and json.loads(text)["error"] == {"message": "messages: TemplateError: roles must alternate",
+                                                         "type": "invalid_request_error", "param": "messages",
+                                                         "code": None}
 
 
 def test_a_failing_request_ends_alone(server, monkeypatch):

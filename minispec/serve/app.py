@@ -17,9 +17,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from minispec.serve.engine_loop import EngineLoop, Update, one_line
+from minispec.serve.engine_loop import EngineLoop, Update
 from minispec.serve.metrics import ServerMetrics
-from minispec.serve.protocol import APIError, Job, model_not_found, parse_job, parse_json
+from minispec.serve.protocol import APIError, Job, model_not_found, one_line, parse_job, parse_json
 from minispec.serve.text import TextStream
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies get 413

@@ -21,6 +21,7 @@ import torch
 
 from minispec.distributed import get_tp_group
 from minispec.sampling_params import SamplingParams
+from minispec.serve.protocol import one_line
 from minispec.tools.metrics import COUNTERS
 
 log = logging.getLogger("minispec.serve")
@@ -255,8 +256,3 @@ class EngineLoop:
                 cmd[4](Update([], "abort", reason))
             elif cmd[0] == "call":
                 cmd[2].set_exception(RuntimeError(reason))
-
-
-def one_line(e: Exception) -> str:
-    """An exception as one line: its type and its message up to the first line break."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

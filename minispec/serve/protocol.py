@@ -10,6 +10,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
 from minispec.sampling_params import SamplingParams
 
 # Fields of the OpenAI (and vLLM) API this server does not implement: the values each may take (null or
@@ -27,6 +29,7 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_DEPTH = 64  # how deep a body's arrays and objects may nest
 INT64 = (-(2**63), 2**63 - 1)  # seed's range, as OpenAI's API takes it
 MAX_TOP_K = 2**31 - 1  # a top_k at or above the vocabulary's size keeps every token
+MAX_STOP = 16  # stop strings a request may give (OpenAI takes 4): each is searched for after every token
 
 
 class APIError(Exception):
@@ -42,6 +45,11 @@ class APIError(Exception):
         """One line of JSON."""
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return json.dumps({"error": error}).encode()
+
+
+def one_line(e: Exception) -> str:
+    """An exception as one line: its type and its message up to the first line break."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def model_not_found(model, model_name: str) -> APIError:
@@ -167,8 +175,8 @@ def parse_job(body: dict, chat: bool, llm, model_name: str) -> Job:
     prompt_field = "messages" if chat else "prompt"
     try:
         prompt_ids = _chat_ids(body, llm) if chat else _prompt_ids(body, llm)
-    except ValueError as e:  # a tokenizer or chat-template failure
-        raise APIError(400, str(e), param=prompt_field) from None
+    except (ValueError, TemplateError) as e:  # a tokenizer failure, or a chat template's raise_exception
+        raise APIError(400, f"{prompt_field}: {one_line(e)}", param=prompt_field) from None
     max_len = llm.engine.config.max_model_len
     room = max_len - len(prompt_ids)  # tokens the context has left to generate
     if room < 1:
@@ -184,8 +192,8 @@ def parse_job(body: dict, chat: bool, llm, model_name: str) -> Job:
                        f"in [1, {room}]", param=length_field, code="context_length_exceeded")
     stop = _typed(body, "stop", (str, list), "a string or a list of strings", [])
     stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in stop):
-        raise APIError(400, "stop must be a string or a list of strings", param="stop")
+    if not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
+        raise APIError(400, f"stop must be a string or a list of at most {MAX_STOP} strings", param="stop")
     vocab = llm.engine.vocab_size
     stop_token_ids = _typed(body, "stop_token_ids", (list,), "a list of token ids", None)
     if stop_token_ids is not None and not all(_is_int(t) and 0 <= t < vocab for t in stop_token_ids):
