@@ -1,6 +1,7 @@
 """python -m minispec.serve: the OpenAI API through the official openai client, under load and faults."""
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -104,6 +105,13 @@ def test_models_completion_and_chat(server):
     srv, url = server
     c = client(url)
     assert [m.id for m in c.models.list().data] == ["tiny"]
+    assert c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4")
+    status, _, text = http(url, "GET", "/models/org/gpt-4")
+    assert status == 404 and json.loads(text)["error"] == {
+        "message": "the model \"org/gpt-4\" does not exist; this server serves 'tiny'", "type": "invalid_request_error",
+        "param": "model", "code": "model_not_found"}
     out = c.completions.create(model="tiny", prompt="Hello there", max_tokens=7, temperature=0, seed=1,
                                extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length" and out.choices[0].text
@@ -243,19 +251,24 @@ def test_api_key_and_bounded_queue(model_dirs):
         assert json.loads(text)["error"]["type"] == "rate_limit_error"
         with pytest.raises(openai.RateLimitError):
             c.completions.create(model="tiny", prompt="one more", max_tokens=2)
-        for s in streams:
+        for s in streams[:2]:
             next(iter(s))
-            s.close()  # the clients leave: their requests are aborted
-        assert wait_idle(srv, 2) == idle_state(2)
-        assert c.completions.create(model="tiny", prompt="now", max_tokens=2).usage.completion_tokens >= 1
-        # A non-streaming client that gives up: its request is aborted, not run to its 500 tokens.
         from minispec.serve.load import metric
 
+        usage = lambda: metric(srv.metrics.render().decode(), "vllm:kv_cache_usage_perc")
+        assert 0 < usage() <= 1  # two running requests hold their prompts' and outputs' KV
+        for s in streams:
+            s.close()  # the clients leave: their requests are aborted
+        assert wait_idle(srv, 2) == idle_state(2)
+        engine_state(srv)  # one more loop iteration: the metrics of the last one are set
+        assert usage() == 0 and metric(srv.metrics.render().decode(), "vllm:num_preemptions_total") == 0
+        assert c.completions.create(model="tiny", prompt="now", max_tokens=2).usage.completion_tokens >= 1
+        # A non-streaming client that gives up: its request is aborted, not run to its 250 tokens.
         aborted = lambda: metric(srv.metrics.render().decode(), "vllm:request_success_total", 'reason="abort"')
         before = aborted()
         with pytest.raises(openai.APITimeoutError):
             client(url, api_key="sekret", timeout=0.5).completions.create(
-                model="tiny", prompt="long", max_tokens=500, extra_body={"ignore_eos": True})
+                model="tiny", prompt="long", max_tokens=250, extra_body={"ignore_eos": True})
         assert wait_idle(srv, 2) == idle_state(2)
         assert aborted() == before + 1
 
@@ -340,3 +353,240 @@ def test_torchrun_rank0_serves_and_rank1_follows(model_dirs, tmp_path):
     assert all(r.finish_reason == "length" and r.completion_tokens == 16 for r in got[1:5])
     assert "rank 1: stopped with rank 0" in out, out[-3000:]
     assert "CollectiveError" not in out and "error:" not in out, out[-3000:]
+
+
+# ---- issue 28: every bad input a 4xx, one request never the service -------------------------------------------
+NEST = 50_000  # deep enough for a RecursionError in json.loads
+# Values no numeric field takes: past int64, past float, NaN / inf (Python's json reads those literals), deep
+# nesting below and above json's own recursion limit, a lone surrogate, wrong types. Raw JSON text each.
+FUZZ_VALUES = ["100000000000000000000", str(2**63), str(-(2**63) - 1), str(2**64), "1e400", "-1e400", "NaN",
+               "Infinity", "-Infinity", "[" * 100 + "]" * 100, '"\\ud800"', '"7"', "[7]", '{"x": 7}', "true", "-1.5"]
+FUZZ_FIELDS = ["top_k", "seed", "max_tokens", "temperature", "top_p", "stop_token_ids", "n", "logprobs",
+               "top_logprobs", "stop", "stream", "ignore_eos", "stream_options", "prompt"]
+# (field, value) pairs that are valid requests: an answer (200) rather than a 400.
+FUZZ_VALID = {("temperature", "100000000000000000000"), ("temperature", str(2**63)), ("temperature", str(2**64)),
+              ("stream", "true"), ("ignore_eos", "true"), ("stream_options", '{"x": 7}'), ("prompt", "[7]"),
+              ("prompt", '"7"'), ("stop", '"7"'), ("stop_token_ids", "[7]")}
+
+
+class Records(logging.Handler):
+    """Collects the log records of one logger (uvicorn's, whose records do not propagate to pytest's caplog)."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.DEBUG)
+        self.records, self.logger = [], logging.getLogger(name)
+
+    def __enter__(self):
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def fuzz_cases() -> list[tuple[str, bytes, int, str | None]]:
+    """(path, raw body, status, param): every field with every value, the issue's bodies, the refused fields."""
+    cases = []
+    for field in FUZZ_FIELDS:
+        for value in FUZZ_VALUES:
+            head = '{"prompt": "Hi", "max_tokens": 2' if field != "max_tokens" else '{"prompt": "Hi"'
+            if field == "prompt":
+                head = '{"max_tokens": 2'
+            status = 200 if (field, value) in FUZZ_VALID else 400
+            cases.append(("/completions", f'{head}, "{field}": {value}}}'.encode(), status, field))
+    deep = ("[" * NEST + "]" * NEST).encode()
+    cases += [
+        ("/completions", b'{"prompt": "Hi", "max_tokens": 2, "top_k": ' + deep + b"}", 400, None),
+        ("/completions", b'{"prompt": ' + deep + b"}", 400, None),
+        ("/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
+        ("/completions", b'{"prompt": "a\xed\xa0\x80b", "max_tokens": 2}', 400, "prompt"),  # raw, as UTF-8 would be
+        ("/completions", b'{"prompt": [1, 100000000000000000000], "max_tokens": 2}', 400, "prompt"),
+        ("/completions", b'{"prompt": "Hi", "stop_token_ids": [1, 9223372036854775808]}', 400, "stop_token_ids"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}', 400,
+         "messages"),
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": '
+         b"100000000000000000000}", 400, "max_completion_tokens"),
+    ]
+    refused = {"response_format": {"type": "json_object"}, "tools": [{"type": "function"}], "tool_choice": "auto",
+               "parallel_tool_calls": False, "modalities": ["text", "audio"], "reasoning_effort": "low",
+               "functions": [{"name": "f"}], "echo": True, "n": 2, "logprobs": True, "top_logprobs": 2}
+    for field, value in refused.items():
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, field: value}
+        cases.append(("/chat/completions", json.dumps(body).encode(), 400, field))
+    return cases
+
+
+def test_fuzzed_fields_get_400s_while_seeded_streams_finish_their_text(server):
+    """The fuzz (four threads) beside four seeded streams: each bad body gets a one-line 400 naming its field,
+    nothing is logged as a traceback, and the streams' text equals a run without the fuzz."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from minispec.serve.load import drive
+
+    srv, url = server
+    ref = asyncio.run(drive(url, "tiny", range(4), 4, max_tokens=48))
+    cases = fuzz_cases()
+    half = threading.Event()
+
+    def send(i):
+        path, body, _, _ = cases[i]
+        if i == len(cases) // 4:
+            half.set()
+        return http(url, "POST", path, body)
+
+    def healthy():
+        half.wait(60)
+        return asyncio.run(drive(url, "tiny", range(4), 4, max_tokens=48))
+
+    with Records("uvicorn.error") as log, ThreadPoolExecutor(5) as pool:
+        streams = pool.submit(healthy)
+        answers = list(pool.map(send, range(len(cases))))
+        got = streams.result(120)
+    assert [(r.text, r.finish_reason, r.error) for r in got] == [(r.text, "length", None) for r in ref]
+    for (path, body, status, param), (got_status, _, text) in zip(cases, answers):
+        assert got_status == status, (body[:90], text[:300])
+        if status == 400:
+            err = json.loads(text)["error"]
+            assert text.count("\n") == 0 and err["param"] == param and err["message"], (body[:90], text)
+    assert not [r.getMessage() for r in log.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert http(url.rsplit("/v1", 1)[0], "GET", "/health")[0] == 200
+    assert wait_idle(srv) == idle_state()
+
+
+def test_ranges_and_the_context_are_named_in_the_errors(server):
+    srv, url = server
+    ctx = srv.llm.engine.config.max_model_len
+    prompt = [1] * (ctx - 10)
+    for body, param, words in [
+        ({"prompt": "Hi", "top_k": 2**63}, "top_k", "[-1, 2147483647]"),
+        ({"prompt": "Hi", "seed": 2**63}, "seed", "[-9223372036854775808, 9223372036854775807]"),
+        ({"prompt": "Hi", "top_p": 1.5}, "top_p", "(0, 1]"),
+        ({"prompt": "Hi", "temperature": -1}, "temperature", ">= 0"),
+        ({"prompt": "Hi", "stop_token_ids": [10**9]}, "stop_token_ids", f"[0, {srv.llm.engine.vocab_size - 1}]"),
+        ({"prompt": prompt, "max_tokens": 11}, "max_tokens", "must be in [1, 10]"),  # vLLM's 400, not 10 tokens
+        ({"prompt": "Hi", "stop": ["x"] * 17}, "stop", "at most 16 strings"),
+    ]:
+        status, _, text = http(url, "POST", "/completions", json.dumps(body).encode())
+        err = json.loads(text)["error"]
+        assert status == 400 and err["param"] == param and words in err["message"], text
+    status, _, text = http(url, "POST", "/completions", json.dumps({"prompt": prompt}).encode())
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] <= 10  # the default 16, as many as fit
+    out = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=10, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 10 and out.choices[0].finish_reason == "length"
+
+
+def test_a_chat_template_error_is_a_400(server, monkeypatch):
+    """Chat templates reject conversations by raise_exception (roles that do not alternate, say)."""
+    srv, url = server
+    monkeypatch.setattr(srv.llm.tokenizer, "chat_template", "{{ raise_exception('roles must alternate') }}")
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    status, _, text = http(url, "POST", "/chat/completions", json.dumps(body).encode())
+    assert status == 400 and json.loads(text)["error"] == {"message": "messages: TemplateError: roles must alternate",
+                                                         "type": "invalid_request_error", "param": "messages",
+                                                         "code": None}
+
+
+def test_a_failing_request_ends_alone(server, monkeypatch):
+    """An error while adding one request (here injected) answers that request 500; the loop serves on."""
+    srv, url = server
+    add = srv.llm.add_request
+
+    def failing(prompt, params, **kw):
+        if list(prompt) == [5, 5, 5]:
+            raise OverflowError("injected")
+        return add(prompt, params, **kw)
+
+    monkeypatch.setattr(srv.llm, "add_request", failing)
+    status, _, text = http(url, "POST", "/completions", b'{"prompt": [5, 5, 5]}')
+    assert status == 500 and "OverflowError: injected" in json.loads(text)["error"]["message"]
+    out = client(url).completions.create(model="tiny", prompt=[5, 5], max_tokens=3)
+    assert out.usage.completion_tokens >= 1 and srv.loop.alive
+
+
+class FailingStep(Observer):
+    """Raises in the engine's fifth step (of one request of 200 tokens, 4 at most a step): the engine loop
+    itself cannot go on."""
+
+    steps = 0
+
+    def on_step(self, step) -> None:
+        self.steps += 1
+        if self.steps == 5:
+            raise RuntimeError("injected step failure")
+
+
+def test_a_dead_engine_loop_stops_the_server(model_dirs, caplog):
+    """The running stream ends with the reason, the reason is logged, and the server stops (the CLI then
+    exits 1) rather than answering 503 for ever."""
+    with serving(*model_dirs, observer=FailingStep()) as (srv, url):
+        stream = client(url).completions.create(model="tiny", prompt="Go on", max_tokens=200, stream=True,
+                                                extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="engine loop failed: RuntimeError: injected step failure"):
+            list(stream)
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        for _ in range(200):  # bounded: the server stops within its graceful-shutdown time
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            except ConnectionRefusedError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the server still listens after its engine loop died")
+        assert srv.loop.error == "engine loop failed: RuntimeError: injected step failure"
+    assert any(r.name == "minispec.serve" and "engine loop failed" in r.getMessage() for r in caplog.records)
+
+
+def raw_exchange(port: int, data: bytes, then_close: bool = False) -> bytes:
+    """Send data on a fresh connection (then close it, or wait); what the server sent before it closed."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(data)
+        if then_close:
+            return b""
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_stalled_and_leaving_clients(model_dirs, caplog):
+    """A stalled body gets 408 and the connection closes; stalled or missing headers close the connection; a
+    client that leaves mid-body is one log line, no traceback; the server answers on."""
+    with serving(*model_dirs, header_timeout_s=1.0, body_timeout_s=1.0) as (srv, url):
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        with Records("uvicorn.error") as log:
+            answer = raw_exchange(port, head + b'{"prompt": ')
+            assert answer.startswith(b"HTTP/1.1 408 ") and b"the body did not arrive within 1 s" in answer
+            assert raw_exchange(port, head[:40]) == b""  # headers cut short: closed, unanswered
+            assert raw_exchange(port, b"") == b""  # nothing sent at all
+            raw_exchange(port, head + b'{"prompt": ', then_close=True)
+            for _ in range(100):  # bounded: the server notices the close at its next read
+                if any("left after" in r.getMessage() for r in caplog.records):
+                    break
+                time.sleep(0.05)
+            out = client(url).completions.create(model="tiny", prompt="still here?", max_tokens=3)
+        left = [r.getMessage() for r in caplog.records if "left after" in r.getMessage()]
+        assert left == ["POST /v1/completions: the client left after 11 of 100 body bytes"]
+        assert not [r.getMessage() for r in log.records if r.levelno >= logging.WARNING or r.exc_info]
+        assert out.usage.completion_tokens >= 1
+
+
+def test_connection_limit(model_dirs):
+    """max_connections open connections: a request on one more gets uvicorn's 503, and 200 once they close."""
+    with serving(*model_dirs, max_connections=4) as (srv, url):
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(4)]
+        try:
+            assert http(url, "GET", "/models")[0] == 503
+        finally:
+            for s in idle:
+                s.close()
+        for _ in range(100):  # bounded: the server sees the closes at its next read
+            if http(url, "GET", "/models")[0] == 200:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the server still answers 503 with its connections closed")

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
 import sys
 
 from minispec.generate import add_model_args, build_llm, check_model_args
+from minispec.serve.app import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_CONNECTIONS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting beyond the --max-num-seqs running ones before 429 (default: 128)")
     p.add_argument("--api-key", default=os.environ.get("MINISPEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MINISPEC_API_KEY, else none)")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                   help="seconds a request line and its headers may take to arrive, else the connection is closed "
+                        f"(default: {HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                   help=f"seconds a request body may take to arrive, else 408 (default: {BODY_TIMEOUT_S:g})")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                   help="open connections beyond which new requests get 503; above --max-num-seqs + --max-queue "
+                        f"(default: {MAX_CONNECTIONS})")
     return p
 
 
@@ -46,6 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 0:
         parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not 0 < value < float("inf"):
+            parser.error(f"{flag} must be a positive number of seconds, got {value}")
+    if args.max_connections <= args.max_num_seqs + args.max_queue:
+        parser.error(f"--max-connections must be above --max-num-seqs + --max-queue = "
+                     f"{args.max_num_seqs + args.max_queue} (else 503s come before 429s), got {args.max_connections}")
+    logging.basicConfig(format="%(levelname)s:  %(message)s")  # as uvicorn's lines
     rank0 = int(os.environ.get("RANK", "0")) == 0
     sock = bind(args.host, args.port, parser) if rank0 else None
     from minispec.distributed import CollectiveError
@@ -67,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         from minispec.serve.app import OpenAIServer
 
         model_name = args.target or DEFAULT_TARGET
-        server = OpenAIServer(llm, model_name, max_queue=args.max_queue, api_key=args.api_key)
+        server = OpenAIServer(llm, model_name, max_queue=args.max_queue, api_key=args.api_key,
+                              header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                              max_connections=args.max_connections)
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         print(f"[minispec] serving {model_name} at http://{url_host}:{port}/v1 (k={llm.num_speculative_tokens}, "

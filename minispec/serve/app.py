@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -10,17 +12,24 @@ import uuid
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minispec.serve.engine_loop import EngineLoop, Update
 from minispec.serve.metrics import ServerMetrics
-from minispec.serve.protocol import APIError, Job, parse_job, parse_json
+from minispec.serve.protocol import APIError, Job, model_not_found, one_line, parse_job, parse_json
 from minispec.serve.text import TextStream
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies get 413
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
+HEADER_TIMEOUT_S = 10.0  # a connection whose request line and headers take longer is closed
+BODY_TIMEOUT_S = 30.0  # a body that takes longer to arrive gets 408
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's default)
+MAX_CONNECTIONS = 1000  # open connections (and requests) beyond which uvicorn answers 503
+
+log = logging.getLogger("minispec.serve")
 
 
 def error_response(e: APIError) -> Response:
@@ -32,24 +41,32 @@ class OpenAIServer:
 
     max_queue: requests admitted beyond the engine's slots (max_num_seqs) before answering 429.
     api_key: if set, /v1 routes need "Authorization: Bearer <api_key>" (else 401).
+    header_timeout_s / body_timeout_s: how long a request's line and headers (else the connection is closed) and
+    then its body (else 408) may take to arrive. max_connections: uvicorn's limit_concurrency.
+    If the engine loop dies, the server stops (and python -m minispec.serve exits 1).
     """
 
     def __init__(self, llm, model_name: str, max_queue: int = 128, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES):
+                 max_body_bytes: int = MAX_BODY_BYTES, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 body_timeout_s: float = BODY_TIMEOUT_S, max_connections: int | None = MAX_CONNECTIONS):
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
+        self.max_connections = max_connections
         self.max_in_flight = llm.engine.config.max_num_seqs + max_queue
         self.open: set[str] = set()  # ids of admitted requests not yet answered (event-loop thread only)
         self.created = int(time.time())
-        self.metrics = ServerMetrics(model_name, llm.num_speculative_tokens)
-        self.loop = EngineLoop(llm, self.metrics)
+        config = llm.engine.config
+        self.metrics = ServerMetrics(model_name, llm.num_speculative_tokens, config.max_num_seqs * config.max_model_len)
+        self.loop = EngineLoop(llm, self.metrics, on_failure=self.shutdown)
         self._uvicorn: uvicorn.Server | None = None
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
         ]
@@ -60,7 +77,9 @@ class OpenAIServer:
     def run(self, sock) -> None:
         """Serve on a bound socket until shutdown() or a signal; starts and stops the engine loop."""
         self.loop.start()
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        http = functools.partial(HeaderTimeoutProtocol, header_timeout_s=self.header_timeout_s)
+        config = uvicorn.Config(self.app, http=http, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                                timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=self.max_connections)
         self._uvicorn = uvicorn.Server(config)
         try:
             self._uvicorn.run(sockets=[sock])
@@ -86,9 +105,18 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         self._check_key(request)
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minispec",
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_key(request)
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            raise model_not_found(model_id, self.model_name)
+        return JSONResponse(self._card())
+
+    def _card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "minispec",
                 "max_model_len": self.llm.engine.config.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
@@ -223,10 +251,19 @@ class OpenAIServer:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise too_big
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise too_big
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > self.max_body_bytes:
+                        raise too_big
+        except TimeoutError:
+            raise APIError(408, f"the body did not arrive within {self.body_timeout_s:g} s",
+                           headers={"connection": "close"}) from None
+        except ClientDisconnect:
+            log.warning("%s %s: the client left after %d of %s body bytes", request.method, request.url.path,
+                        len(body), length or "?")
+            raise APIError(400, "the client left mid-body") from None  # nobody reads the answer
         return bytes(body)
 
     # ---- errors ---------------------------------------------------------------------------
@@ -239,8 +276,40 @@ class OpenAIServer:
         return error_response(APIError(e.status_code, message, type=kind, headers=e.headers))
 
     async def _server_error(self, request: Request, e: Exception) -> Response:
-        line = str(e).splitlines()[0] if str(e) else ""
-        return error_response(APIError(500, f"internal error: {type(e).__name__}: {line}", type="server_error"))
+        return error_response(APIError(500, f"internal error: {one_line(e)}", type="server_error"))
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose next request line and headers have not all arrived
+    header_timeout_s after it opened or its last answer ended (uvicorn times out neither)."""
+
+    def __init__(self, *args, header_timeout_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late, self.cycle)
+
+    def _headers_late(self, cycle) -> None:
+        """No request has begun since the timer was set (the cycle is the one then, answered or None): close."""
+        if self.cycle is cycle and (cycle is None or cycle.response_complete) and not self.transport.is_closing():
+            self.transport.close()
 
 
 class EventStream(StreamingResponse):

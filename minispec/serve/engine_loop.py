@@ -10,6 +10,7 @@ collective inside `Engine.step` lines up.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
@@ -20,7 +21,11 @@ import torch
 
 from minispec.distributed import get_tp_group
 from minispec.sampling_params import SamplingParams
+from minispec.serve.protocol import one_line
 from minispec.tools.metrics import COUNTERS
+
+log = logging.getLogger("minispec.serve")
+
 
 @dataclass(slots=True)
 class Update:
@@ -54,8 +59,8 @@ def apply_commands(llm, commands: list[tuple]) -> tuple[bool, dict[str, str]]:
             _, req_id, prompt_ids, params = cmd
             try:
                 llm.add_request(prompt_ids, params, request_id=req_id)
-            except ValueError as e:  # the same on every rank: each rank skips it
-                failed[req_id] = str(e)
+            except Exception as e:  # noqa: BLE001 — this request alone fails, the same on every rank: each skips it
+                failed[req_id] = one_line(e)
         elif cmd[0] == "abort":
             llm.abort(cmd[1])
         elif cmd[0] == "stop":
@@ -79,10 +84,13 @@ class EngineLoop:
 
     heartbeat_s: an idle loop under TP still broadcasts (empty commands) this often, so the
     followers' collectives do not time out while no request comes.
+    on_failure: called (in the engine thread) once the loop has died of an error, after every waiting
+    request has been told why; the server stops on it, so that the process exits non-zero.
     """
 
-    def __init__(self, llm, metrics=None, heartbeat_s: float = 10.0):
+    def __init__(self, llm, metrics=None, heartbeat_s: float = 10.0, on_failure: Callable[[], None] | None = None):
         self.llm = llm
+        self.on_failure = on_failure
         self.engine = llm.engine
         self.metrics = metrics
         self.heartbeat_s = heartbeat_s
@@ -134,14 +142,17 @@ class EngineLoop:
         try:
             while self._iterate():
                 pass
-        except Exception as e:  # noqa: BLE001 — the loop is dead: tell every waiting client why
-            reason = f"engine loop failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        except Exception as e:  # noqa: BLE001 — the loop is dead: tell every waiting client why, then stop
+            reason = f"engine loop failed: {one_line(e)}"
             self.error = reason
+            log.exception(reason)
         for live in self._live.values():
             if live.finish_reason is None:
                 live.sink(Update([], "abort", reason))
         self._live.clear()
         self._drain_late(reason)
+        if self.error is not None and self.on_failure is not None:
+            self.on_failure()
 
     def _take(self) -> list[tuple]:
         """This iteration's commands: wait for one while the engine is idle, then take all queued."""
@@ -199,7 +210,8 @@ class EngineLoop:
         if self.engine.has_unfinished():
             self._deliver(self.engine.step())
         if self.metrics is not None:
-            self.metrics.observe_queue(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
+            s = self.engine.scheduler
+            self.metrics.observe_queue(len(s.running), len(s.waiting), sum(r.num_computed for r in s.running))
         return True
 
     def _deliver(self, outputs) -> None:

@@ -21,7 +21,8 @@ class ServerMetrics:
     metric carries vLLM's labels model_name and engine ("0": one engine).
     """
 
-    def __init__(self, model_name: str, num_speculative_tokens: int):
+    def __init__(self, model_name: str, num_speculative_tokens: int, kv_cache_tokens: int):
+        self.kv_cache_tokens = kv_cache_tokens  # the target KV cache's positions: slots x max_model_len
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name, "engine": "0"}
         names = list(labels)
@@ -31,6 +32,11 @@ class ServerMetrics:
 
         self.running = make(Gauge, "vllm:num_requests_running", "Requests in the engine's batch (holding a slot).")
         self.waiting = make(Gauge, "vllm:num_requests_waiting", "Requests queued for a slot.")
+        self.kv_cache_usage = make(Gauge, "vllm:kv_cache_usage_perc",
+                                   "Fraction of the target KV cache's positions (slots x context) holding "
+                                   "computed tokens of running requests (1 = full).")
+        # Always 0: a running request keeps its slot and KV until it ends; kept for vLLM's dashboards.
+        make(Counter, "vllm:num_preemptions", "Preemptions (none: a running request keeps its slot to the end).")
         self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = make(Counter, "vllm:generation_tokens", "Tokens generated.")
         self.ttft = make(Histogram, "vllm:time_to_first_token_seconds",
@@ -51,9 +57,11 @@ class ServerMetrics:
                           names + ["position"], registry=self.registry)
         self.accepted_per_pos = [per_pos.labels(**labels, position=str(j)) for j in range(num_speculative_tokens)]
 
-    def observe_queue(self, num_running: int, num_waiting: int) -> None:
+    def observe_queue(self, num_running: int, num_waiting: int, num_cached_tokens: int) -> None:
+        """After a step: the requests running and waiting, and the tokens their KV cache holds."""
         self.running.set(num_running)
         self.waiting.set(num_waiting)
+        self.kv_cache_usage.set(num_cached_tokens / self.kv_cache_tokens)
 
     def observe_prompt(self, num_tokens: int) -> None:
         self.prompt_tokens.inc(num_tokens)
