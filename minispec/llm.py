@@ -11,6 +11,7 @@ import torch
 
 from minispec.distributed import init_distributed
 from minispec.engine.engine import Engine, EngineConfig
+from minispec.kernels import cpu
 from minispec.engine.observer import Observer
 from minispec.engine.request import Request
 from minispec.layers.quant import PackedWeight
@@ -179,6 +180,8 @@ class LLM:
         torch_dtype = parse_dtype(dtype)
         draft_torch_dtype = torch_dtype if draft_dtype is None else parse_dtype(draft_dtype)
         self.device = torch.device(device) if device else tp.device
+        if self.device.type == "cpu":
+            cpu.ops()  # build (once, cached) the C++ kernels now, not inside the first generation's timing
         self.target = _loaded(target, torch_dtype, self.device, packed, quantization)
         self.tokenizer = self.target.tokenizer
         self.draft = None

@@ -397,3 +397,88 @@ def test_greedy_fast_path_equals_general_path():
         fast = greedy_verify(target, drafts, stale, cu, k)
         general = rejection_sample(*args, u, noise, return_probs=True)[:2]
         assert torch.equal(fast[0], general[0]) and torch.equal(fast[1], general[1]), trial
+
+
+# ----------------------------------------------------------------------------- vocabularies, batch sizes, greedy edges
+
+def shaped_batch(seed, vocab, rows, zero_tail: int = 0):
+    """random_batch's kind of batch with any vocabulary and rows; zero_tail: the last zero_tail tokens get no mass in
+    p or q (-inf logits: the kernel's last vocabulary tile holds nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    num_reqs = len(rows)
+    cu = torch.tensor([0, *itertools.accumulate(rows)])
+    n = int(cu[-1])
+    draft = torch.randn(n, vocab, generator=g) * 2
+    target = draft + 0.3 * torch.randn(n, vocab, generator=g)
+    if zero_tail:
+        draft[:, vocab - zero_tail :] = float("-inf")
+        target[:, vocab - zero_tail :] = float("-inf")
+    temperature = torch.tensor([(0.0, 1.0, 0.7, 1.3)[i % 4] for i in range(num_reqs)])
+    top_k = torch.tensor([(0, 0, 5, 50)[i % 4] for i in range(num_reqs)])
+    top_p = torch.tensor([(1.0, 0.9, 1.0, 0.8)[i % 4] for i in range(num_reqs)])
+    rep = torch.tensor(rows)
+    q = probs_from_logits(draft, torch.repeat_interleave(temperature, rep), torch.repeat_interleave(top_k, rep),
+                          torch.repeat_interleave(top_p, rep))
+    drafts = torch.multinomial(q, 1, generator=g).squeeze(1)
+    drafts[cu[1:] - 1] = -1
+    stale = torch.rand(n, generator=g) < 0.1
+    u = torch.rand(num_reqs, max(rows) - 1, generator=g)
+    noise = torch.empty(num_reqs, vocab).exponential_(generator=g)
+    return target, draft, drafts, stale, cu, temperature, top_k, top_p, u, noise
+
+
+@pytest.mark.parametrize("vocab", [8193, 10000, 151936])
+def test_triton_matches_reference_on_large_vocabularies_with_an_empty_last_tile(vocab):
+    """Vocabularies past the kernel's 1024-wide tiles, whose last tile (and more) has zero mass in p and q."""
+    tail = vocab % 1024 or 1024
+    args = shaped_batch(vocab, vocab, (3, 1, 2), zero_tail=tail + 7)
+    ref = rejection_sample(*args, use_triton=False)
+    tri = rejection_sample(*args, use_triton=True)
+    assert torch.equal(ref[0], tri[0]) and torch.equal(ref[1], tri[1])
+    emitted = ref[0][ref[0] >= 0]
+    assert emitted.numel() >= 3 and (emitted < vocab - tail - 7).all()  # no token of zero mass
+
+
+def test_triton_matches_reference_on_a_batch_of_100():
+    rows = [1 + (7 * i) % 5 for i in range(100)]  # 0 to 4 drafts each
+    args = shaped_batch(11, 64, rows)
+    ref = rejection_sample(*args, use_triton=False)
+    tri = rejection_sample(*args, use_triton=True)
+    assert ref[0].shape == (100, 5)
+    assert torch.equal(ref[0], tri[0]) and torch.equal(ref[1], tri[1])
+
+
+def test_greedy_batch_with_empty_draft_lists_and_masked_target_logits():
+    """A greedy batch where some requests have no drafts and the target masks most tokens with -inf: the argmax of
+    the unmasked ones, on the shortcut, the general path and the kernel alike."""
+    from minispec.spec_decode.rejection_sampler import greedy_verify
+
+    g = torch.Generator().manual_seed(9)
+    vocab, rows = 50, (1, 3, 1, 4, 1)
+    cu = torch.tensor([0, *itertools.accumulate(rows)])
+    n = int(cu[-1])
+    target = torch.randn(n, vocab, generator=g)
+    allowed = torch.rand(n, vocab, generator=g) < 0.1
+    allowed[:, 0] = True
+    target = target.masked_fill(~allowed, float("-inf"))
+    argmax = target.argmax(-1)
+    drafts = argmax.clone()
+    drafts[6] = (argmax[6] + 1) % vocab  # request 3 (logits positions 5 .. 8): its 2nd draft is rejected
+    drafts[cu[1:] - 1] = -1
+    num_reqs = len(rows)
+    zeros = torch.zeros(num_reqs)
+    params = (zeros, torch.zeros(num_reqs, dtype=torch.int64), torch.ones(num_reqs))
+    u = torch.rand(num_reqs, max(rows) - 1, generator=g)
+    noise = torch.empty(num_reqs, vocab).exponential_(generator=g)
+    fast = greedy_verify(target, drafts, None, cu, max(rows) - 1)
+    for use_triton in (False, True):
+        general = rejection_sample(target, torch.randn(n, vocab, generator=g), drafts, None, cu, *params, u, noise,
+                                   use_triton=use_triton)
+        assert torch.equal(fast[0], general[0]) and torch.equal(fast[1], general[1])
+    tokens, num_sampled = fast
+    for r in range(num_reqs):
+        k = int(num_sampled[r])
+        got = tokens[r, :k]
+        assert allowed[cu[r] + torch.arange(k), got].all()  # never a masked token
+        assert got.tolist() == argmax[cu[r] : cu[r] + k].tolist()
+    assert num_sampled.tolist() == [1, 3, 1, 2, 1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import sys
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,16 @@ def _cpu_identity() -> bytes:
         return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode()
     except OSError:
         return platform.processor().encode()
+
+
+def _is_built(full_name: str) -> bool:
+    """Whether torch's extension cache already holds this build (then loading it takes no compile)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return (Path(_get_build_directory(full_name, verbose=False)) / f"{full_name}.so").is_file()
+    except Exception:  # a torch without the helper: say nothing
+        return True
 
 
 def build_cpp(name: str, sources: list[Path], cflags: list[str], what: str):
@@ -33,7 +44,11 @@ def build_cpp(name: str, sources: list[Path], cflags: list[str], what: str):
         text = b"".join(s.read_bytes() for s in sources)
         where = str(Path(sources[0]).resolve().parent).encode()
         digest = hashlib.sha256(text + " ".join(cflags).encode() + _cpu_identity() + where).hexdigest()[:10]
-        return load(name=f"minispec_{name}_{digest}", sources=[str(s) for s in sources if s.suffix == ".cpp"],
+        full_name = f"minispec_{name}_{digest}"
+        if not _is_built(full_name):
+            print(f"minispec: building {what}, once for this CPU and checkout (about a minute)", file=sys.stderr,
+                  flush=True)
+        return load(name=full_name, sources=[str(s) for s in sources if s.suffix == ".cpp"],
                     extra_cflags=cflags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build
