@@ -104,7 +104,8 @@ MUTANTS = [
            "                r.num_draft_computed = max(r.num_computed - 1, 0)\n",
            ("tests/test_self_draft.py::test_self_draft_sampling_matches_target_law",)),
     Mutant("seeded requests take the batch's adaptive k", "minispec/spec_decode/adaptive.py",
-           "        return self.seeded_costs is not None and req.params.seed is not None", "        return False",
+           "        return self.seeded_costs is not None and req.params.seed is not None and not req.params.greedy",
+           "        return False",
            ("tests/test_engine.py::test_seeded_requests_reproducible_under_adaptive_k",)),
     # ---- the EAGLE head proposer
     Mutant("head: drafts drawn with mass outside the draft vocabulary, whose cached q is 0",

@@ -241,9 +241,12 @@ def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log
         log(f"head: resumed at step {step} of {total_steps}")
 
     def lr_at(s: int) -> float:
+        """Warm-up, then a cosine over the run: its steps or, with a time budget, its time, whichever ends first."""
         if s < cfg.warmup_steps:
             return cfg.lr * (s + 1) / cfg.warmup_steps
         t = min(1.0, (s - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        if cfg.time_budget_min:
+            t = max(t, min(1.0, (time.perf_counter() - run_t0) / (60 * cfg.time_budget_min)))
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
     def save_all(final: dict | None = None):

@@ -363,8 +363,9 @@ def load_head(path: str | Path, target_config) -> EagleHead:
     return head.eval()
 
 
-def save_head(head: EagleHead, path: str | Path, extra: dict | None = None) -> None:
-    """Write config.json and model.safetensors in EAGLE-3's format (tensors under midlayer.*, d2t and t2d)."""
+def save_head(head: EagleHead, path: str | Path, extra: dict | None = None, dtype: torch.dtype = torch.float32) -> None:
+    """Write config.json and model.safetensors in EAGLE-3's format (tensors under midlayer.*, d2t and t2d); dtype:
+    the floating tensors' (bfloat16 halves the file)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -386,5 +387,6 @@ def save_head(head: EagleHead, path: str | Path, extra: dict | None = None) -> N
                   "norm.weight": head.norm, "lm_head.weight": head.lm_head.weight, "d2t": head.d2t, "t2d": t2d}
     elif head.lm_head is not None:
         state["lm_head.weight"] = head.lm_head.weight
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / "model.safetensors"))
+    save_file({k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in state.items()},
+              str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg.to_hf() | (extra or {}), indent=2) + "\n")

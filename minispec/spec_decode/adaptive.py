@@ -42,11 +42,13 @@ workload where drafts are rarely accepted does not start out speculating. A requ
 for drafts and verified none (the proposer had nothing, as an n-gram lookup without a match) counts
 one failure.
 
-Seeded requests (seeded_costs given, as LLM does): a request with a seed chooses its own k from its
-own state alone, so that its k sequence, and with it its tokens, is the same run to run and whatever
+Seeded sampled requests (seeded_costs given, as LLM does): a request with a seed and a temperature chooses
+its own k from its own state alone, so that its k sequence, and with it its tokens, is the same run to run and whatever
 it is batched with: its acceptance estimate starts from prior_alpha (not the pooled prior), the costs
 are the fixed seeded_costs = (draft_cost, verify_costs) at batch size 1 (no measurement, no step
-overhead), and it keeps its own probe clock. Unseeded requests share the batch's k as above; the step
+overhead), and it keeps its own probe clock. A greedy request's tokens do not depend on k (they are the
+target's argmax whatever is drafted), so seeded or not it shares the batch's measured k. Unseeded requests
+share the batch's k as above; the step
 drafts the largest k of the batch and each request keeps its own k of those drafts.
 """
 from __future__ import annotations
@@ -253,8 +255,8 @@ class AdaptiveK:
             del self.states[req.req_id]
 
     def _seeded(self, req) -> bool:
-        """Whether the request chooses its own k (it has a seed and seeded_costs were given)."""
-        return self.seeded_costs is not None and req.params.seed is not None
+        """Whether the request chooses its own k (it samples with a seed, and seeded_costs were given)."""
+        return self.seeded_costs is not None and req.params.seed is not None and not req.params.greedy
 
     def __call__(self, reqs: Sequence) -> list[int]:
         """Engine hook: the k of each request about to draft, after their counters were updated: one k for the
