@@ -34,7 +34,8 @@ from minispec.utils import parse_dtype
 # best, the shipped draft at int8 with adaptive k, ran 0.98x target-only at batch 1 and 0.87x / 0.93x at batch
 # 4 / 16 (a 5-token packed verification costs 2 one-token forwards; the draft accepts alpha 0.39).
 DEFAULT_TARGET = "smollm2-135m-instruct"
-DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target, else none
+DEFAULT_DRAFT = "auto"
+HEAD_WITH_LOOKUP = "+ngram"  # draft="HEAD+ngram": prompt lookup (matches of 2+ tokens) where it finds one, else the head  # the proposer DRAFT_FOR_TARGET names for the target, else none
 # target alias -> (draft: a model spec, "ngram", a self-draft or None; the draft's quantisation or None)
 DRAFT_FOR_TARGET: dict[str, tuple[str | None, str | None]] = {
     "smollm2-135m-instruct": (None, None),  # the draft that ships for it: ("smollm2-135m-instruct-draft", "int8")
@@ -187,7 +188,11 @@ class LLM:
         self.draft = None
         k = num_speculative_tokens if draft is not None else 0
         max_len = min(max_model_len or 2048, self.target.max_model_len)
-        head = self.head = _head(draft, self.target)  # an EAGLE head, or None
+        lookup = isinstance(draft, str) and draft.endswith(HEAD_WITH_LOOKUP)  # prompt lookup first, then the head
+        head = self.head = _head(draft.removesuffix(HEAD_WITH_LOOKUP) if lookup else draft, self.target)
+        if lookup and head is None:
+            raise ValueError(f"draft '{draft}': '{HEAD_WITH_LOOKUP}' combines prompt lookup with an EAGLE head, and "
+                             f"'{draft.removesuffix(HEAD_WITH_LOOKUP)}' is not one")
         if head is not None:
             if draft_dtype is not None:
                 raise ValueError("a draft head runs in float32 (packed with draft_quantization); drop draft_dtype")
@@ -208,7 +213,8 @@ class LLM:
         proposer = None
         if head is not None:
             head_runner = HeadRunner(head, self.target.model, max_num_seqs, kv_len, self.device, draft_quantization)
-            proposer = HeadProposer(head_runner, target_runner, k)
+            proposer = HeadProposer(head_runner, target_runner, k,
+                                    lookup=(max(2, ngram_n[0]), max(2, ngram_n[1])) if lookup else None)
         elif draft == "ngram":
             proposer = NgramProposer(k, *ngram_n, device=self.device)
         elif self.draft is not None:

@@ -205,3 +205,23 @@ def test_bad_checkpoints_get_one_line_errors(target, tmp_path):
         with pytest.raises(ModelLoadError, match=re.escape(message)) as e:
             load_head(path, target.config)
         assert "\n" not in str(e.value)
+
+
+def test_head_with_prompt_lookup_drafts_matches_by_lookup_and_stays_lossless(target, tmp_path):
+    """draft="HEAD+ngram": a request whose last 2+ tokens occurred before drafts what followed them (one-hot q), the
+    others the head's; greedy output equals the target's alone, and a repeating prompt accepts more."""
+    head = make_tiny_head(target.config, version=3, draft_vocab_size=100, seed=8)
+    save_head(head, tmp_path / "h")
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12]]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = LLM(target, draft=None).generate(prompts, sp)
+    llm = LLM(target, draft=str(tmp_path / "h") + "+ngram", num_speculative_tokens=3)
+    assert llm.engine.proposer.lookup == (2, 3)
+    cache, looked = llm.engine.draft_logits, []
+    write_one_hot = cache.write_one_hot
+    cache.write_one_hot = lambda rows, drafts: (looked.append(drafts.clone()), write_one_hot(rows, drafts))
+    out = llm.generate(prompts, sp)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert looked  # some proposals came from the lookup (ngram_drafts has its own tests)
+    with pytest.raises(ValueError, match="is not one"):
+        LLM(target, draft="ngram+ngram")

@@ -25,6 +25,7 @@ from minispec.models.eagle import EagleHead, InferenceWeights
 from minispec.runner.kv_cache import KVCache
 from minispec.runner.model_runner import ModelRunner
 from minispec.spec_decode.draft_logits import DraftLogitsCache
+from minispec.spec_decode.ngram import ngram_drafts
 from minispec.sample.sampler import BatchSampling, greedy_tokens
 from minispec.spec_decode.proposer import Drafting, draw_drafts, owned, proposal_uniforms
 
@@ -109,9 +110,12 @@ class HeadRunner:
 class HeadProposer:
     """Drafts with an EAGLE head from the target's captured hidden states (see the module docstring)."""
 
-    def __init__(self, runner: HeadRunner, target_runner: ModelRunner, k: int):
+    def __init__(self, runner: HeadRunner, target_runner: ModelRunner, k: int, lookup: tuple[int, int] | None = None):
+        """lookup: (min_n, max_n) of a prompt lookup tried first (a request with a match drafts from it this step, and
+        its head catches up later), or None."""
         self.runner = runner
         self.k = k
+        self.lookup = lookup
         self.vocab_size = runner.target.vocab_size
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (first position, states [n, C * H])
         target_runner.model.capture_layers = runner.cfg.feature_layers
@@ -140,13 +144,32 @@ class HeadProposer:
             self.pending[slot] = (p0, torch.cat([kept[: s - p0], rows]))
 
     def propose(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
-        """num_steps (default k) head steps for every request; each rank runs them all (the head is small and
-        replicated), writes the rows of the requests it owns and draws every request's tokens alike."""
+        """[num_reqs, num_steps] drafts (num_steps defaults to k): prompt lookup's where `lookup` is set and a match of
+        at least lookup[0] tokens exists (one-hot logits, as NgramProposer), the head's for the others."""
         num_steps = self.k if num_steps is None else num_steps
+        u = proposal_uniforms(reqs, self.k).to(self.runner.device)  # [num_reqs, k] every sampled request draws its k
+        drafts = np.full((len(reqs), num_steps), -1, dtype=np.int64)  # [num_reqs, num_steps]
+        use_head = np.ones(len(reqs), dtype=bool)
+        if self.lookup is not None:
+            found = ngram_drafts([r.token_ids for r in reqs], num_steps, *self.lookup)  # [num_reqs, num_steps]
+            use_head = found[:, 0] < 0
+            looked = np.flatnonzero(~use_head)
+            if len(looked):
+                slots = torch.tensor([reqs[i].slot for i in looked], dtype=torch.int64, device=cache.device)
+                cache.write_one_hot(cache.rows_of(slots).long(), torch.from_numpy(found[looked]).to(cache.device))
+                drafts[looked] = found[looked]
+        idx = np.flatnonzero(use_head)
+        if len(idx):
+            drafts[idx] = self._head_drafts([reqs[i] for i in idx], cache, num_steps, u[torch.from_numpy(idx)])
+        return drafts
+
+    def _head_drafts(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int, u: torch.Tensor
+                     ) -> np.ndarray:
+        """num_steps head steps for every request; each rank runs them all (the head is small and replicated),
+        writes the rows of the requests it owns and draws every request's tokens alike (u [num_reqs, k])."""
         _, mine, rows = owned(reqs, cache)
         mine = torch.from_numpy(mine).to(self.runner.device)
         sampling = BatchSampling([r.params for r in reqs], self.runner.device)
-        u = proposal_uniforms(reqs, self.k).to(self.runner.device)  # [num_reqs, k]
         drafts = np.empty((len(reqs), num_steps), dtype=np.int64)  # [num_reqs, num_steps]
         slots = [r.slot for r in reqs]
         starts, tokens, feats = [], [], []
