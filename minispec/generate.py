@@ -14,15 +14,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and speculation flags (shared with python -m minispec.serve)."""
     p.add_argument("--target", default=None, help="target model: alias, HF dir, .gguf file or hub id "
                    "(default: smollm2-135m-instruct)")
-    p.add_argument("--draft", default=None, help="draft model (same forms as --target), 'ngram' for prompt "
-                   "lookup, a self-draft (self-int8, self-int4, self-int4:N, self:N: the target's own quantised "
-                   "and / or N-layer copy), or 'none' for target-only (default: the proposer chosen for the target, "
-                   "if any)")
+    p.add_argument("--draft", default=None, help="draft model (same forms as --target), an EAGLE-1 / EAGLE-3 head "
+                   "directory (HEAD+ngram: prompt lookup first), 'ngram' for prompt lookup, a self-draft (self-int8, "
+                   "self-int4, self-int4:N, self:N: the target's own quantised and / or N-layer copy), or 'none' for "
+                   "target-only (default: the proposer llm.py's DRAFT_FOR_TARGET names for the target, if any)")
     p.add_argument("--quantization", default=None,
                    help="weight-only quantisation of a float target at load: int8 (Q8_0) or int4 (Q4_1; embedding "
                         "Q8_0); another model than the float one (a GGUF is already packed: an error)")
     p.add_argument("--draft-quantization", default=None,
-                   help="the same for a draft model")
+                   help="the same for a draft model; int8 / int4 pack an EAGLE head's weights")
     p.add_argument("--ngram-min", type=int, default=1, help="smallest n-gram matched by --draft ngram")
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=None,
                    help="speculation length per step from running acceptance and measured costs; turns "

@@ -34,8 +34,8 @@ from minispec.utils import parse_dtype
 # best, the shipped draft at int8 with adaptive k, ran 0.98x target-only at batch 1 and 0.87x / 0.93x at batch
 # 4 / 16 (a 5-token packed verification costs 2 one-token forwards; the draft accepts alpha 0.39).
 DEFAULT_TARGET = "smollm2-135m-instruct"
-DEFAULT_DRAFT = "auto"
-HEAD_WITH_LOOKUP = "+ngram"  # draft="HEAD+ngram": prompt lookup (matches of 2+ tokens) where it finds one, else the head  # the proposer DRAFT_FOR_TARGET names for the target, else none
+DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target, else none
+HEAD_WITH_LOOKUP = "+ngram"  # draft="HEAD+ngram": prompt lookup (matches of 2+ tokens) where it finds one, else the head
 # target alias -> (draft: a model spec, "ngram", a self-draft or None; the draft's quantisation or None)
 DRAFT_FOR_TARGET: dict[str, tuple[str | None, str | None]] = {
     "smollm2-135m-instruct": (None, None),  # the draft that ships for it: ("smollm2-135m-instruct-draft", "int8")
