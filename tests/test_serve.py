@@ -595,16 +595,9 @@ def test_connection_limit(model_dirs):
 # ---- issue 28: logprobs, echo, n ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_log_softmax(model_dirs):
-    """log_softmax of transformers' forward of the target over a token sequence ([len(ids), V])."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from tests.utils import hf_log_softmax
 
-    model = AutoModelForCausalLM.from_pretrained(model_dirs[0], dtype=torch.float32).eval()
-
-    def run(ids):
-        with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-    return run
+    return hf_log_softmax(model_dirs[0])
 
 
 def post(url, path, body) -> dict:
@@ -641,17 +634,10 @@ def stream_choices(url, path, body) -> dict[int, dict]:
 
 
 def check_entries(lp, ids, start, logprobs, tops, num_top, tok_of):
-    """logprobs[j] (of token ids[start + j]) equal transformers' lp rows; each top list sorted, its logprobs the
-    model's, and holding the token when it is among the num_top most likely."""
-    for j, (x, top) in enumerate(zip(logprobs, tops)):
-        pos = start + j
-        assert abs(x - lp[pos - 1, ids[pos]].item()) < 1e-4, (pos, x)
-        want = lp[pos - 1].topk(num_top).values.tolist()
-        got = [v for _, v in top][:num_top]
-        assert got == sorted(got, reverse=True) and all(abs(a - b) < 1e-4 for a, b in zip(got, want))
-        assert all(abs(v - lp[pos - 1, tok_of(t)].item()) < 1e-4 for t, v in top)
-        if x >= want[-1] + 1e-4:
-            assert ids[pos] in [tok_of(t) for t, _ in top]
+    """The answer's logprobs (tops: [(token text, logprob)] per token) equal transformers' (tests/utils)."""
+    from tests.utils import check_logprobs
+
+    check_logprobs(lp, ids, start, [(x, [(tok_of(t), v) for t, v in top]) for x, top in zip(logprobs, tops)], num_top)
 
 
 @pytest.mark.parametrize("stream", [False, True])
