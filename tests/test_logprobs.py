@@ -54,3 +54,19 @@ def test_without_logprobs_nothing_is_kept(target_dir):
         SamplingParams(max_tokens=0, logprobs=2)
     with pytest.raises(ValueError, match="logprobs must be an integer >= 0"):
         SamplingParams(logprobs=-1)
+
+
+def test_logprobs_need_tp_1(target_dir, monkeypatch):
+    """Under TP each rank holds a slice of the vocabulary's logits: a request that asks is refused at once."""
+    from types import SimpleNamespace
+
+    from minispec.serve.protocol import APIError, parse_job
+
+    llm = LLM(target=target_dir, draft=None)
+    monkeypatch.setattr(llm.engine, "tp", SimpleNamespace(world_size=2))
+    for params in (SamplingParams(logprobs=0), SamplingParams(prompt_logprobs=1)):
+        with pytest.raises(ValueError, match="need tensor_parallel_size 1"):
+            llm.add_request([1, 2, 3], params)
+    with pytest.raises(APIError, match="logprobs need a server with --tp 1") as e:
+        parse_job({"prompt": [1, 2, 3], "logprobs": 1}, False, llm, "tiny")
+    assert e.value.status == 400 and e.value.param == "logprobs"

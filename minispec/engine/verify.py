@@ -171,7 +171,8 @@ class Verifier:
         for s, p, start in zip(scheduled, num_prompt, starts):
             if p:
                 r = s.req
-                predicted = r.token_ids[r.num_computed + 1 : r.num_computed + 1 + p]  # row j predicts token a + j + 1
+                # row j (position num_computed + j) predicts the prompt token after it
+                predicted = r.token_ids[r.num_computed + 1 : r.num_computed + 1 + p]
                 r.prompt_logprobs += token_logprobs(logits[start : start + p, : self.vocab_size], predicted,
                                                     r.params.prompt_logprobs)
         keep = np.concatenate([np.arange(start + p, start + n) for start, p, n in zip(starts, num_prompt, num_logits)])
