@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.minispec-installed
 
-.PHONY: setup demo test bench playground clean
+.PHONY: setup demo test bench playground eval-smoke clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -28,6 +28,10 @@ bench: setup
 
 playground: setup
 	$(PY) -m minispec.playground --config configs/playground-smoke.toml --out playground-out
+
+eval-smoke: setup
+	$(PY) -m pip install -q -e ".[eval]"
+	$(PY) scripts/lm_eval_smoke.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

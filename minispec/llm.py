@@ -54,12 +54,19 @@ class RequestOutput:
     finish_reason: str | None  # "length" | "stop" | "abort" | "error"
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # why a request ended with finish_reason "error"
+    # SamplingParams.logprobs / prompt_logprobs (else None): per token (its logprob, [(id, logprob)] of the most
+    # likely tokens), the raw log-softmax of the target's logits; the first prompt token's entry is None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     def as_dict(self) -> dict:
         d = {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
              "finish_reason": self.finish_reason, "metrics": self.metrics}
         if self.error:
             d["error"] = self.error
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
         return d
 
 
@@ -288,7 +295,8 @@ class LLM:
     def _output(self, req: Request, prompt) -> RequestOutput:
         toks = req.output_token_ids
         return RequestOutput(req.req_id, prompt, list(req.prompt_token_ids), list(toks), self.decode(toks),
-                             req.finish_reason, req.metrics.as_dict(len(toks)), req.error)
+                             req.finish_reason, req.metrics.as_dict(len(toks)), req.error, req.logprobs,
+                             req.prompt_logprobs)
 
     # ---- generation -----------------------------------------------------------------------
     def stream(self, prompts, sampling_params=None, use_chat_template: bool = False

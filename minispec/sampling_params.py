@@ -29,6 +29,11 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Log-probabilities: the raw log-softmax of the target's logits (before temperature, top-k and top-p), the
+    # same with and without speculation. logprobs: each output token's and its N most likely alternatives';
+    # prompt_logprobs: each prompt token's (the first's is None) and N alternatives'. None: not computed.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -47,8 +52,14 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0 or None, got {value!r}")
+            setattr(self, name, None if value is None else int(value))
+        least = 0 if self.prompt_logprobs is not None else 1  # max_tokens 0: score the prompt, generate nothing
+        if not _is_int(self.max_tokens) or self.max_tokens < least:
+            raise ValueError(f"max_tokens must be an integer >= {least}, got {self.max_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         self.top_k, self.max_tokens = int(self.top_k), int(self.max_tokens)

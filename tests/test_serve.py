@@ -202,7 +202,7 @@ def test_bad_input_gets_one_line_openai_errors_and_the_server_keeps_serving(serv
         ({"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
         ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
         ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": "hi", "n": 0}, 400, "n"),
         ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
         (b'{"prompt": "' + b"x" * (1 << 20) + b'"}', 413, None),  # over the body limit
     ]
@@ -412,7 +412,7 @@ def fuzz_cases() -> list[tuple[str, bytes, int, str | None]]:
     ]
     refused = {"response_format": {"type": "json_object"}, "tools": [{"type": "function"}], "tool_choice": "auto",
                "parallel_tool_calls": False, "modalities": ["text", "audio"], "reasoning_effort": "low",
-               "functions": [{"name": "f"}], "echo": True, "n": 2, "logprobs": True, "top_logprobs": 2}
+               "functions": [{"name": "f"}], "echo": True, "top_logprobs": 2}  # top_logprobs needs logprobs
     for field, value in refused.items():
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, field: value}
         cases.append(("/chat/completions", json.dumps(body).encode(), 400, field))
@@ -590,3 +590,175 @@ def test_connection_limit(model_dirs):
             time.sleep(0.05)
         else:
             pytest.fail("the server still answers 503 with its connections closed")
+
+
+# ---- issue 28: logprobs, echo, n ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_log_softmax(model_dirs):
+    from tests.utils import hf_log_softmax
+
+    return hf_log_softmax(model_dirs[0])
+
+
+def post(url, path, body) -> dict:
+    status, _, text = http(url, "POST", path, json.dumps(body).encode())
+    assert status == 200, text
+    return json.loads(text)
+
+
+def stream_choices(url, path, body) -> dict[int, dict]:
+    """A streamed answer joined per choice index: text, logprobs (joined fragments), finish_reason."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", u.path + path, body=json.dumps({**body, "stream": True}),
+                 headers={"content-type": "application/json"})
+    lines = conn.getresponse().read().decode().split("\n\n")
+    conn.close()
+    out: dict[int, dict] = {}
+    for line in lines:
+        if not line.startswith("data: {"):
+            continue
+        for c in json.loads(line[6:])["choices"]:
+            got = out.setdefault(c["index"], {"text": "", "logprobs": None, "finish_reason": None})
+            got["text"] += (c["delta"].get("content") or "") if "delta" in c else c["text"]
+            got["finish_reason"] = c["finish_reason"] or got["finish_reason"]
+            if c["logprobs"] is not None:
+                if got["logprobs"] is None:
+                    got["logprobs"] = {k: [] for k in c["logprobs"]}
+                for k, v in c["logprobs"].items():
+                    got["logprobs"][k] += v
+    return out
+
+
+def check_entries(lp, ids, start, logprobs, tops, num_top, tok_of):
+    """The answer's logprobs (tops: [(token text, logprob)] per token) equal transformers' (tests/utils)."""
+    from tests.utils import check_logprobs
+
+    check_logprobs(lp, ids, start, [(x, [(tok_of(t), v) for t, v in top]) for x, top in zip(logprobs, tops)], num_top)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("with_draft", [True, False])
+def test_completion_logprobs_equal_transformers(model_dirs, server, hf_log_softmax, stream, with_draft):
+    """Sampled tokens' logprobs (accepted drafts and drawn tokens alike) are the target's log-softmax."""
+    from contextlib import nullcontext
+
+    target, _ = model_dirs
+    with (nullcontext(server) if with_draft else serving(target, None)) as (srv, url):
+        body = {"prompt": "Hello there", "max_tokens": 10, "temperature": 0.8, "seed": 3, "logprobs": 5,
+                "ignore_eos": True}
+        got = stream_choices(url, "/completions", body)[0] if stream else post(url, "/completions", body)["choices"][0]
+        prompt = srv.llm.encode("Hello there", False)
+        shape = got["logprobs"]
+        tok_of = srv.llm.tokenizer.convert_tokens_to_ids  # the character tokenizer: a token's text is its name
+        out_ids = [tok_of(t) for t in shape["tokens"]]
+        lp, n = hf_log_softmax(prompt + out_ids), len(out_ids)
+        assert len(shape["token_logprobs"]) == len(shape["top_logprobs"]) == n == 10
+        assert srv.llm.decode(out_ids) == got["text"]
+        assert shape["text_offset"] == [len(srv.llm.decode(out_ids[:j])) for j in range(n)]
+        check_entries(lp, prompt + out_ids, len(prompt), shape["token_logprobs"],
+                      [list(d.items()) for d in shape["top_logprobs"]], 5, tok_of)
+        for x, top in zip(shape["token_logprobs"], shape["top_logprobs"]):
+            assert 5 <= len(top) <= 6 and x in top.values()  # the top 5 and the chosen token
+        if with_draft:
+            spec = post(url, "/completions", body)["spec_decode"]
+            assert spec["num_accepted_tokens"] > 0  # some logprobs were read at accepted drafts' positions
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_equal_transformers(server, hf_log_softmax, stream):
+    srv, url = server
+    messages = [{"role": "user", "content": "Tell a story"}]
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0.7, "seed": 5, "logprobs": True,
+            "top_logprobs": 3, "ignore_eos": True}
+    if stream:
+        got = stream_choices(url, "/chat/completions", body)[0]
+        text, content = got["text"], got["logprobs"]["content"]
+    else:
+        got = post(url, "/chat/completions", body)["choices"][0]
+        text, content = got["message"]["content"], got["logprobs"]["content"]
+    prompt = srv.llm.encode_chat(messages)
+    tok_of = srv.llm.tokenizer.convert_tokens_to_ids
+    out_ids = [tok_of(e["token"]) for e in content]
+    assert len(content) == 8 and srv.llm.decode(out_ids) == text
+    assert all(e["bytes"] == list(e["token"].encode()) and len(e["top_logprobs"]) == 3 for e in content)
+    check_entries(hf_log_softmax(prompt + out_ids), prompt + out_ids, len(prompt), [e["logprob"] for e in content],
+                  [[(t["token"], t["logprob"]) for t in e["top_logprobs"]] for e in content], 3, tok_of)
+    # without logprobs nothing changes: the same seeded text, logprobs null
+    plain = post(url, "/chat/completions", {**body, "logprobs": None, "top_logprobs": None})["choices"][0]
+    assert plain["message"]["content"] == text and plain["logprobs"] is None
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(server, hf_log_softmax):
+    """lm-eval's loglikelihood request: echo, logprobs, max_tokens 0 (or 1); the first prompt token's logprob is
+    null; the prompt's logprobs equal transformers'."""
+    srv, url = server
+    prompt = srv.llm.encode("The cat sat on the mat", False)
+    lp = hf_log_softmax(prompt)
+    for prompt_field, stream in (("The cat sat on the mat", False), (prompt, False), (prompt, True)):
+        body = {"prompt": prompt_field, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+        got = stream_choices(url, "/completions", body)[0] if stream else post(url, "/completions", body)["choices"][0]
+        shape = got["logprobs"]
+        assert got["text"] == "The cat sat on the mat" and got["finish_reason"] == "length"
+        assert shape["token_logprobs"][0] is None and shape["top_logprobs"][0] is None
+        assert len(shape["token_logprobs"]) == len(prompt) and shape["text_offset"] == list(range(len(prompt)))
+        check_entries(lp, prompt, 1, shape["token_logprobs"][1:], [list(d.items()) for d in shape["top_logprobs"][1:]],
+                      1, srv.llm.tokenizer.convert_tokens_to_ids)
+    out = post(url, "/completions", {"prompt": prompt, "max_tokens": 0, "echo": True})
+    assert out["choices"][0]["text"] == "The cat sat on the mat" and out["choices"][0]["logprobs"] is None
+    assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+    # echo with a completion: the prompt's text, then the same seeded completion as without echo
+    body = {"prompt": "Once", "max_tokens": 5, "seed": 2, "ignore_eos": True}
+    plain = post(url, "/completions", body)["choices"][0]["text"]
+    assert post(url, "/completions", {**body, "echo": True})["choices"][0]["text"] == "Once" + plain
+    assert stream_choices(url, "/completions", {**body, "echo": True})[0]["text"] == "Once" + plain
+    assert wait_idle(srv) == idle_state()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_n_choices(server, chat):
+    """n = 3: three choices indexed 0..2, choice i the answer of seed + i, usage summed, streamed alike."""
+    srv, url = server
+    path = "/chat/completions" if chat else "/completions"
+    base = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Once upon"}
+    body = {**base, "max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    text = lambda c: c["message"]["content"] if chat else c["text"]
+    out = post(url, path, {**body, "n": 3})
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    texts = [text(c) for c in out["choices"]]
+    assert [text(c) for c in post(url, path, {**body, "n": 3})["choices"]] == texts  # seeded: reproducible
+    assert [text(post(url, path, {**body, "seed": 11 + i})["choices"][0]) for i in range(3)] == texts
+    assert len(set(texts)) > 1
+    prompt = srv.llm.encode_chat(base["messages"]) if chat else srv.llm.encode(base["prompt"], False)
+    assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 18, "total_tokens": len(prompt) + 18}
+    streamed = stream_choices(url, path, {**body, "n": 3, "stream_options": {"include_usage": True}})
+    assert [streamed[i]["text"] for i in range(3)] == texts
+    assert all(streamed[i]["finish_reason"] == "length" for i in range(3))
+    assert wait_idle(srv) == idle_state()
+
+
+def test_logprobs_echo_and_n_ranges_are_400s(server):
+    _, url = server
+    for path, body, param in [
+        ("/completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
+        ("/completions", {"prompt": "Hi", "logprobs": -1}, "logprobs"),
+        ("/completions", {"prompt": "Hi", "logprobs": True}, "logprobs"),
+        ("/completions", {"prompt": "Hi", "top_logprobs": 2}, "top_logprobs"),
+        ("/completions", {"prompt": "Hi", "echo": 1}, "echo"),
+        ("/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        ("/completions", {"prompt": "Hi", "n": 17}, "n"),
+        ("/chat/completions", {"logprobs": 3}, "logprobs"),
+        ("/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/chat/completions", {"echo": True}, "echo"),
+        ("/chat/completions", {"n": 0}, "n"),
+    ]:
+        if path == "/chat/completions":
+            body = {"messages": [{"role": "user", "content": "Hi"}], **body}
+        status, _, text = http(url, "POST", path, json.dumps(body).encode())
+        assert status == 400 and json.loads(text)["error"]["param"] == param and text.count("\n") == 0, (body, text)
+    assert post(url, "/completions", {"prompt": "Hi", "max_tokens": 2, "logprobs": False})["choices"][0]["logprobs"] \
+        is None

@@ -130,3 +130,30 @@ def make_tiny_gguf(path, qtype: str = "Q8_0", seed: int = 0, tied: bool = True, 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def hf_log_softmax(model_dir: str):
+    """ids -> log_softmax of transformers' forward of the checkpoint over them ([len(ids), V], float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return run
+
+
+def check_logprobs(lp: torch.Tensor, ids: list[int], start: int, entries: list, num_top: int) -> None:
+    """entries[j] = (logprob, [(id, logprob)]) of token ids[start + j] equal lp's rows (lp [len(ids), V], row p
+    predicting token p + 1, within 1e-4): the top num_top sorted, each id its own logprob (ties may swap ids), and
+    holding the token whenever it is among the num_top most likely."""
+    for j, (x, top) in enumerate(entries):
+        row, token = lp[start + j - 1], ids[start + j]
+        assert abs(x - row[token].item()) < 1e-4, (start + j, x)
+        got = [v for _, v in top]
+        assert got == sorted(got, reverse=True)
+        assert torch.allclose(torch.tensor(got[:num_top]), row.topk(num_top).values, atol=1e-4)
+        assert all(abs(v - row[t].item()) < 1e-4 for t, v in top)
+        if num_top and x >= got[num_top - 1] + 1e-4:
+            assert token in [t for t, _ in top]

@@ -90,6 +90,9 @@ class Engine:
                 f"prompt of {len(prompt_token_ids)} tokens does not fit the model's context "
                 f"({self.config.max_model_len} tokens, including at least one generated)"
             )
+        if self.tp.world_size > 1 and (params.logprobs is not None or params.prompt_logprobs is not None):
+            raise ValueError("logprobs and prompt_logprobs need tensor_parallel_size 1 (under TP the logits are "
+                             "split over the ranks)")
         req = Request(req_id, list(prompt_token_ids), params, RequestRandom(seed), self._num_arrived)
         req.metrics.accepted_per_position = [0] * self.k
         req.metrics.arrival_time = time.perf_counter()
@@ -156,6 +159,10 @@ class Engine:
                 outputs.append(StepOutput(r, []))
                 self._finish(r, "error")
                 continue
+            if r.params.max_tokens == 0:  # a scored prompt (prompt_logprobs) that generates nothing
+                outputs.append(StepOutput(r, []))
+                self._finish(r, "length")
+                continue
             n = num_sampled[i]
             num_accepted = n - 1
             m = r.metrics
@@ -165,6 +172,8 @@ class Engine:
             r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
             r.drafts = None
             new, reason = self._append(r, tokens[i][:n])
+            if r.logprobs is not None:
+                r.logprobs += verdict.logprobs[i][: len(new)]
             if nd:  # count what was emitted: a stop token or max_tokens may cut the accepted run
                 m.num_spec_verifications += 1
                 m.num_draft_tokens += nd

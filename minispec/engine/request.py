@@ -9,6 +9,8 @@ import numpy as np
 from minispec.sample.random import RequestRandom
 from minispec.sampling_params import SamplingParams
 
+TokenLogprobs = tuple[float, list[tuple[int, float]]]  # a token's logprob, the top (id, logprob) pairs
+
 
 @dataclass(slots=True)
 class RequestMetrics:
@@ -69,9 +71,17 @@ class Request:
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Per output / prompt token (params.logprobs / prompt_logprobs; else None): (its logprob, [(id, logprob)] of
+    # the most likely tokens, most likely first); the first prompt token's entry is None (nothing predicts it).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:

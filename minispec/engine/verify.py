@@ -9,7 +9,7 @@ import torch
 from minispec.distributed import get_tp_group, to_owners, share_from_owners
 from minispec.engine.input_batch import InputBatch
 from minispec.engine.observer import Observer
-from minispec.engine.request import Request
+from minispec.engine.request import Request, TokenLogprobs
 from minispec.engine.scheduler import ScheduledRequest
 from minispec.runner.model_runner import ModelRunner
 from minispec.sample.random import verify_draws
@@ -26,6 +26,8 @@ class Verdict:
     num_sampled: torch.Tensor  # [num_reqs] tokens to append: accepted drafts + 1
     num_stale: torch.Tensor  # [num_reqs] drafts whose cached logits another request overwrote
     bad: torch.Tensor  # [num_reqs] bool: the target gave NaN or inf logits
+    # per request: its sampled tokens' logprobs (num_sampled of them) if its params ask (tp = 1 only), else None
+    logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
 class Verifier:
@@ -48,7 +50,7 @@ class Verifier:
         rank: its logits reach the owner with one all-to-all, the owner runs the rejection sampler, and one
         all-gather shares the verdicts. None when no request was verified.
         """
-        queries, num_logits = [], []
+        queries, num_logits, num_prompt = [], [], []
         for s in scheduled:
             r = s.req
             q = r.token_ids[r.num_computed : r.num_computed + s.num_tokens]
@@ -58,11 +60,16 @@ class Verifier:
                 if r.num_drafts:
                     q = q + [max(int(d), 0) for d in r.drafts]  # a -1 placeholder feeds token 0; never accepted
             queries.append(q)
-            num_logits.append(n)
+            # prompt_logprobs: the fed prompt positions before the verified one predict prompt tokens
+            p = s.num_tokens - s.verify if r.prompt_logprobs is not None and r.num_computed < r.num_prompt_tokens else 0
+            num_prompt.append(p)
+            num_logits.append(p + n)
         logits = self.target.forward(
             [s.req.slot for s in scheduled], [s.req.num_computed for s in scheduled], queries, num_logits,
             gather=False,
         )  # [num_logits, V] ([num_logits, V_padded / tp] under TP)
+        if any(num_prompt):
+            logits = self._score_prompts(scheduled, num_prompt, num_logits, logits)
         for s in scheduled:
             if not s.verify:
                 s.req.num_computed += s.num_tokens
@@ -80,9 +87,12 @@ class Verifier:
             u, noise = u[torch.from_numpy(mine)], noise[torch.from_numpy(mine)]
         my_reqs = [r for r, m in zip(reqs, mine) if m]
         verdict = self._sample_mine(my_reqs, slots[mine], num_logits_v[mine], logits, u, noise)
+        logprobs = None
+        if any(r.logprobs is not None for r in my_reqs):  # tp = 1 (Engine.add_request): every request is mine
+            logprobs = self._sampled_logprobs(my_reqs, num_logits_v[mine], logits, verdict)
         verdict = Verdict(*share_from_owners(
             self.tp, [verdict.tokens, verdict.num_sampled, verdict.num_stale, verdict.bad], owners,
-        ))
+        ), logprobs=logprobs)
         for r, n_stale in zip(reqs, verdict.num_stale.tolist()):
             r.metrics.num_stale_drafts += n_stale
         return verdict
@@ -152,8 +162,47 @@ class Verifier:
         self.observer.on_verify(reqs, [[float(b) for b, v in zip(beta[start:end], valid[start:end]) if v]
                                        for start, end in zip(cu[:-1], cu[1:])])
 
+    def _score_prompts(self, scheduled: list[ScheduledRequest], num_prompt: list[int], num_logits: list[int],
+                       logits: torch.Tensor) -> torch.Tensor:
+        """Append each scored prompt chunk's logprobs to its request (tp = 1); returns the other logits rows.
+
+        logits [num_logits, V]: request i's num_prompt[i] prompt rows come first among its num_logits[i]."""
+        starts = np.cumsum([0] + num_logits[:-1])
+        for s, p, start in zip(scheduled, num_prompt, starts):
+            if p:
+                r = s.req
+                # row j (position num_computed + j) predicts the prompt token after it
+                predicted = r.token_ids[r.num_computed + 1 : r.num_computed + 1 + p]
+                r.prompt_logprobs += token_logprobs(logits[start : start + p, : self.vocab_size], predicted,
+                                                    r.params.prompt_logprobs)
+        keep = np.concatenate([np.arange(start + p, start + n) for start, p, n in zip(starts, num_prompt, num_logits)])
+        return logits[torch.from_numpy(keep).to(logits.device)]  # [num_logits - sum(num_prompt), V]
+
+    def _sampled_logprobs(self, reqs: list[Request], num_logits: np.ndarray, logits: torch.Tensor,
+                          verdict: Verdict) -> list[list[TokenLogprobs] | None]:
+        """The logprobs of each asking request's sampled tokens (accepted drafts, then the drawn one): each read
+        at the logits position that token was verified or drawn at (logits [num_logits, V])."""
+        out = []
+        for r, start, n, toks in zip(reqs, np.cumsum(num_logits) - num_logits, verdict.num_sampled.tolist(),
+                                     verdict.tokens.tolist()):
+            rows = logits[start : start + n]  # [n, V]
+            out.append(None if r.logprobs is None else token_logprobs(rows, [max(t, 0) for t in toks[:n]],
+                                                                      r.params.logprobs))
+        return out
+
     def _owners(self, slots: np.ndarray) -> np.ndarray:
         """The TP rank that verifies each request (the rank that caches its draft logits)."""
         if self.draft_logits is not None:
             return self.draft_logits.owners_of(slots)[0]
         return shard_owners(len(slots), self.tp.world_size)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Each row's log-probability of its token and its num_top most likely tokens (most likely first).
+
+    The raw log-softmax of the target's logits (logits [n, V]), before temperature, top-k and top-p: the
+    target's own distribution, the same whichever way the token was sampled, with or without drafts."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device).view(-1, 1)).view(-1).tolist()  # [n]
+    top_lp, top_ids = lp.topk(min(num_top, lp.shape[1]), dim=-1)  # [n, num_top] each
+    return [(c, list(zip(ids, lps))) for c, ids, lps in zip(chosen, top_ids.tolist(), top_lp.tolist())]

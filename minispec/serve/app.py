@@ -18,6 +18,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minispec.serve.engine_loop import EngineLoop, Update
+from minispec.serve.logprobs import LogprobsShape
 from minispec.serve.metrics import ServerMetrics
 from minispec.serve.protocol import APIError, Job, model_not_found, one_line, parse_job, parse_json
 from minispec.serve.text import TextStream
@@ -61,6 +62,11 @@ class OpenAIServer:
         config = llm.engine.config
         self.metrics = ServerMetrics(model_name, llm.num_speculative_tokens, config.max_num_seqs * config.max_model_len)
         self.loop = EngineLoop(llm, self.metrics, on_failure=self.shutdown)
+        # logprobs' token texts (cached: each top list names up to 20): as spelled, special tokens included; as shown
+        tokenizer = llm.tokenizer
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda t: tokenizer.decode([t], skip_special_tokens=False) if tokenizer is not None else "")
+        self.shown_text = functools.lru_cache(maxsize=1 << 16)(lambda t: llm.decode([t]))
         self._uvicorn: uvicorn.Server | None = None
         routes = [
             Route("/health", self.health, methods=["GET"]),
@@ -130,99 +136,99 @@ class OpenAIServer:
         job = parse_job(parse_json(await self._read_body(request)), chat, self.llm, self.model_name)
         if not self.loop.alive:
             raise APIError(503, self.loop.error or "the engine loop is not running", type="server_error")
-        if len(self.open) >= self.max_in_flight:
+        if len(self.open) + job.n > self.max_in_flight:
             raise APIError(429, f"the server is full ({len(self.open)} requests in flight); retry later",
                            type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        updates: asyncio.Queue[Update] = asyncio.Queue()
+        updates: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()  # (choice index, update)
         event_loop = asyncio.get_running_loop()
 
-        def sink(update: Update) -> None:  # called in the engine thread
+        def sink(index: int, update: Update) -> None:  # called in the engine thread
             try:
-                event_loop.call_soon_threadsafe(updates.put_nowait, update)
+                event_loop.call_soon_threadsafe(updates.put_nowait, (index, update))
             except RuntimeError:  # the event loop has closed (shutdown): nobody waits for this request
                 pass
 
-        self.open.add(req_id)
-        self.loop.submit(req_id, job.prompt_ids, job.params, sink)
+        # n choices, n engine requests (one keeps the answer's id)
+        choices = [Choice(i, req_id if job.n == 1 else f"{req_id}-{i}", job, self) for i in range(job.n)]
+        for c in choices:
+            self.open.add(c.req_id)
+            self.loop.submit(c.req_id, job.prompt_ids, job.params_of(c.index), functools.partial(sink, c.index))
         if job.stream:
-            return EventStream(self._events(req_id, job, updates), on_close=lambda: self._release(req_id))
-        return await self._answer(request, req_id, job, updates)
+            return EventStream(self._events(req_id, job, choices, updates), on_close=lambda: self._release_all(choices))
+        return await self._answer(request, req_id, job, choices, updates)
 
-    async def _answer(self, request: Request, req_id: str, job: Job, updates: asyncio.Queue) -> Response:
-        """Wait for the whole answer; a client that disconnects meanwhile aborts the request."""
-        text = TextStream(self.llm.decode, job.stop)
-        pieces, last = [], Update([])
-        collect = asyncio.ensure_future(self._collect(text, updates, pieces))
+    async def _answer(self, request: Request, req_id: str, job: Job, choices: list[Choice],
+                      updates: asyncio.Queue) -> Response:
+        """Wait for every choice's whole answer; a client that disconnects meanwhile aborts the requests."""
+        collect = asyncio.ensure_future(self._collect(choices, updates))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not collect.done():
                 return Response(status_code=499)  # nobody reads it
-            last = collect.result()
-            self._release(req_id, "stop" if text.stopped else None)
+            texts = collect.result()
         finally:
             collect.cancel()
             gone.cancel()
-            self._release(req_id)
-        if last.finish_reason in ("error", "abort"):
-            raise APIError(500, last.error or "the request was aborted", type="server_error")
-        finish = "stop" if text.stopped else last.finish_reason
-        content = "".join(pieces)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                   "finish_reason": finish} if job.chat else
-                  {"index": 0, "text": content, "logprobs": None, "finish_reason": finish})
-        return JSONResponse({**self._head(req_id, job, stream=False), "choices": [choice],
-                             "usage": _usage(job, text), "spec_decode": _spec(last)})
+            self._release_all(choices)
+        failed = _failed(choices)
+        if failed is not None:
+            raise APIError(500, failed.error or "the request was aborted", type="server_error")
+        return JSONResponse({**self._head(req_id, job, stream=False),
+                             "choices": [c.body(text, stream=False) for c, text in zip(choices, texts)],
+                             "usage": _usage(job, choices), "spec_decode": _spec([c.last for c in choices])})
 
-    @staticmethod
-    async def _collect(text: TextStream, updates: asyncio.Queue, pieces: list[str]) -> Update:
-        """Take updates until the request ends (or hits a stop string); returns the last."""
-        while True:
-            u = await updates.get()
-            pieces.append(text.add(u.new_token_ids))
-            if u.finish_reason is not None or text.stopped:
-                pieces.append(text.finish())
-                return u
+    async def _collect(self, choices: list[Choice], updates: asyncio.Queue) -> list[str]:
+        """Take updates until every choice has ended (or hit a stop string), or one failed; each choice's text."""
+        texts = [""] * len(choices)
+        while not all(c.done for c in choices) and _failed(choices) is None:
+            i, u = await updates.get()
+            if not choices[i].done:  # else: queued before its release
+                texts[i] += self._take(choices[i], u)
+        return texts
 
-    async def _events(self, req_id: str, job: Job, updates: asyncio.Queue):
-        """Server-sent events, one per engine step that gave text; a disconnect cancels this (and aborts)."""
-        text = TextStream(self.llm.decode, job.stop)
+    async def _events(self, req_id: str, job: Job, choices: list[Choice], updates: asyncio.Queue):
+        """Server-sent events, one per engine step that gave a choice text; a disconnect cancels this (and aborts)."""
         head = self._head(req_id, job, stream=True)
-        last = Update([])
         try:
             if job.chat:
-                yield _event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}]})
-            while True:
-                last = await updates.get()
-                if last.finish_reason in ("error", "abort"):
-                    error = APIError(500, last.error or "the request was aborted", type="server_error")
+                yield _event({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None} for c in choices]})
+            while not all(c.done for c in choices):
+                i, u = await updates.get()
+                c = choices[i]
+                if c.done:  # queued before its release
+                    continue
+                if u.finish_reason in ("error", "abort"):
+                    error = APIError(500, u.error or "the request was aborted", type="server_error")
                     yield f"data: {error.body().decode()}\n\n"
                     break
-                delta = text.add(last.new_token_ids)
-                done = last.finish_reason is not None or text.stopped
-                if done:  # released before the client can read its last chunk, so /metrics then counts it
-                    delta += text.finish()
-                    self._release(req_id, "stop" if text.stopped else None)
-                if not delta and not done:
+                delta = self._take(c, u)  # a choice's last: released before the client can read its chunk,
+                if not delta and not c.done:  # so /metrics then counts it
                     continue
-                finish = ("stop" if text.stopped else last.finish_reason) if done else None
-                part = {"content": delta} if job.chat else {"text": delta}
-                choice = {"index": 0, **({"delta": part} if job.chat else part), "logprobs": None,
-                          "finish_reason": finish}
-                chunk = {**head, "choices": [choice]}
-                if done:
-                    chunk["spec_decode"] = _spec(last)
+                chunk = {**head, "choices": [c.body(delta, stream=True)]}
+                if c.done:
+                    chunk["spec_decode"] = _spec([c.last])
                 yield _event(chunk)
-                if done:
-                    break
-            if job.include_usage and last.finish_reason not in ("error", "abort"):
-                yield _event({**head, "choices": [], "usage": _usage(job, text)})
+            else:
+                if job.include_usage:
+                    yield _event({**head, "choices": [], "usage": _usage(job, choices)})
             yield "data: [DONE]\n\n"
         finally:
-            self._release(req_id)
+            self._release_all(choices)
+
+    def _take(self, c: Choice, u: Update) -> str:
+        """Hand a choice its update; release it once it has ended. Returns the text now safe to send."""
+        text = c.take(u)
+        if c.done:
+            self._release(c.req_id, "stop" if c.text.stopped else None)
+        return text
+
+    def _release_all(self, choices: list[Choice]) -> None:
+        for c in choices:
+            self._release(c.req_id)
 
     def _release(self, req_id: str, reason: str | None = None) -> None:
         """The request's answer is over (or its client left): free its place, and release it in the loop
@@ -336,16 +342,70 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _usage(job: Job, text: TextStream) -> dict:
-    n = len(text.token_ids)
+def _failed(choices: list[Choice]) -> Update | None:
+    """The last update of a choice that ended in an error or abort, if one did."""
+    return next((c.last for c in choices if c.last.finish_reason in ("error", "abort")), None)
+
+
+def _usage(job: Job, choices: list[Choice]) -> dict:
+    """The prompt counted once (as OpenAI counts it for n > 1), every choice's tokens."""
+    n = sum(len(c.text.token_ids) for c in choices)
     return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n, "total_tokens": len(job.prompt_ids) + n}
 
 
-def _spec(last: Update) -> dict:
-    """The extension field: the request's speculation counters and the rates they give."""
-    s = dict(last.spec)
+def _spec(lasts: list[Update]) -> dict:
+    """The extension field: the requests' speculation counters (summed over choices) and the rates they give."""
+    s = {}
+    for key in lasts[0].spec:
+        values = [u.spec[key] for u in lasts]
+        s[key] = [sum(v) for v in zip(*values)] if isinstance(values[0], list) else sum(values)
     if s:
         s["acceptance_rate"] = s["num_accepted_tokens"] / s["num_draft_tokens"] if s["num_draft_tokens"] else 0.0
         n = s["num_spec_verifications"]
         s["mean_accepted_length"] = s["num_emitted_tokens"] / n if n else 1.0
     return s
+
+
+class Choice:
+    """One of an answer's n choices: its engine request, its text and logprobs so far."""
+
+    def __init__(self, index: int, req_id: str, job: Job, server: OpenAIServer):
+        self.index, self.req_id, self.job = index, req_id, job
+        self.text = TextStream(server.llm.decode, job.stop)
+        self.last = Update([])  # the latest update
+        self.echoed = not job.echo  # the prompt has been sent (or is not to be)
+        self.shape = None if job.logprobs is None else LogprobsShape(job.chat, server.token_text, server.shown_text)
+        self.entries: list[tuple[int, tuple | None]] = []  # (token id, logprobs) not yet sent
+
+    @property
+    def done(self) -> bool:
+        return self.last.finish_reason is not None or self.text.stopped
+
+    def take(self, u: Update) -> str:
+        """Take one update; returns the text now safe to send (echo: the prompt's first)."""
+        self.last = u
+        head = ""
+        if not self.echoed:
+            head, self.echoed = self.job.prompt_text, True
+            if self.shape is not None:
+                self.entries += zip(self.job.prompt_ids, u.prompt_logprobs or [None] * len(self.job.prompt_ids))
+        before = len(self.text.token_ids)
+        delta = self.text.add(u.new_token_ids)
+        if self.shape is not None:  # the tokens the text took: up to the one that completed a stop string
+            taken = len(self.text.token_ids) - before
+            self.entries += zip(u.new_token_ids[:taken], (u.logprobs or [])[:taken])
+        if self.done:
+            delta += self.text.finish()
+        return head + delta
+
+    def body(self, content: str, stream: bool) -> dict:
+        """The choice's object: the text given (a delta when streaming), its tokens' logprobs since the last."""
+        finish = ("stop" if self.text.stopped else self.last.finish_reason) if self.done else None
+        logprobs = None
+        if self.shape is not None:
+            logprobs, self.entries = self.shape.fragment(self.entries), []
+        if self.job.chat:
+            message = {"content": content} if stream else {"role": "assistant", "content": content}
+            return {"index": self.index, "delta" if stream else "message": message, "logprobs": logprobs,
+                    "finish_reason": finish}
+        return {"index": self.index, "text": content, "logprobs": logprobs, "finish_reason": finish}

@@ -35,6 +35,8 @@ class Update:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     spec: dict = field(default_factory=dict)  # the request's speculation counters so far
+    logprobs: list | None = None  # the new tokens' (SamplingParams.logprobs; Request.logprobs's entries)
+    prompt_logprobs: list | None = None  # on the request's first update (SamplingParams.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -49,6 +51,7 @@ class _Live:
     seen_per_pos: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # set once the engine has ended it; the answer stays open until released
     end_time: float | None = None
+    delivered: bool = False  # an update has gone to sink (the first carries the prompt's logprobs)
 
 
 def apply_commands(llm, commands: list[tuple]) -> tuple[bool, dict[str, str]]:
@@ -229,7 +232,11 @@ class EngineLoop:
                 self._observe(live, req, out.new_token_ids, now)
             if req.finished:
                 live.finish_reason, live.end_time = req.finish_reason, now
-            live.sink(Update(out.new_token_ids, req.finish_reason, req.error, spec))
+            new = len(out.new_token_ids)
+            logprobs = None if req.logprobs is None else req.logprobs[len(req.logprobs) - new :]
+            prompt_logprobs = None if live.delivered else req.prompt_logprobs
+            live.delivered = True
+            live.sink(Update(out.new_token_ids, req.finish_reason, req.error, spec, logprobs, prompt_logprobs))
 
     def _observe(self, live: _Live, req, new_token_ids: list[int], now: float) -> None:
         m, metrics = req.metrics, self.metrics

@@ -5,6 +5,7 @@ Every field the server reads is checked here: its type, and numbers against the 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
@@ -17,7 +18,7 @@ from minispec.sampling_params import SamplingParams
 # Fields of the OpenAI (and vLLM) API this server does not implement: the values each may take (null or
 # absent always may), compared by type and value, so that true is not taken for 1.
 UNSUPPORTED = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,), "suffix": ("",),
+    "best_of": (1,), "suffix": ("",),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "min_p": (0, 0.0), "min_tokens": (0,), "logit_bias": ({},), "include_stop_str_in_output": (False,),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True,), "functions": ([],),
@@ -30,6 +31,8 @@ MAX_DEPTH = 64  # how deep a body's arrays and objects may nest
 INT64 = (-(2**63), 2**63 - 1)  # seed's range, as OpenAI's API takes it
 MAX_TOP_K = 2**31 - 1  # a top_k at or above the vocabulary's size keeps every token
 MAX_STOP = 16  # stop strings a request may give (OpenAI takes 4): each is searched for after every token
+MAX_LOGPROBS = 20  # most likely tokens a logprobs entry may list (OpenAI's limit)
+MAX_N = 16  # choices per request (each one engine request)
 
 
 class APIError(Exception):
@@ -68,6 +71,16 @@ class Job:
     stop: list[str]
     stream: bool
     include_usage: bool
+    n: int = 1  # choices: n engine requests
+    logprobs: int | None = None  # most likely tokens listed beside each token's logprob; None: no logprobs
+    echo: bool = False  # completions: the prompt's text (and, with logprobs, its tokens' logprobs) comes first
+    prompt_text: str = ""  # what echo sends
+
+    def params_of(self, index: int) -> SamplingParams:
+        """Choice index's sampling settings: with a seed, choice i uses seed + i."""
+        if index == 0 or self.params.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=self.params.seed + index)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -174,22 +187,27 @@ def parse_job(body: dict, chat: bool, llm, model_name: str) -> Job:
             raise APIError(400, f"{name}={_show(body[name])[:40]} is not supported by this server", param=name)
     prompt_field = "messages" if chat else "prompt"
     try:
-        prompt_ids = _chat_ids(body, llm) if chat else _prompt_ids(body, llm)
+        prompt_ids, prompt_text = (_chat_ids(body, llm), None) if chat else _prompt_ids(body, llm)
     except (ValueError, TemplateError) as e:  # a tokenizer failure, or a chat template's raise_exception
         raise APIError(400, f"{prompt_field}: {one_line(e)}", param=prompt_field) from None
+    n = _int(body, "n", 1, MAX_N, 1)
+    logprobs, echo = _chat_logprobs(body) if chat else _completion_logprobs(body)
+    if logprobs is not None and llm.engine.tp.world_size > 1:
+        raise APIError(400, "logprobs need a server with --tp 1 (under tensor parallelism the logits are split over "
+                       "the ranks)", param="logprobs")
     max_len = llm.engine.config.max_model_len
     room = max_len - len(prompt_ids)  # tokens the context has left to generate
     if room < 1:
         raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; the context holds {max_len} (including at "
                        "least one generated)", param=prompt_field, code="context_length_exceeded")
     length_field = "max_completion_tokens" if chat and body.get("max_tokens") is None else "max_tokens"
-    max_tokens = _int(body, length_field, 1, INT64[1])
+    max_tokens = _int(body, length_field, 0 if echo else 1, INT64[1])  # echo + 0: score the prompt, generate nothing
     if max_tokens is None:  # OpenAI's defaults: 16 for completions (as many as fit), the rest of the context for chat
         max_tokens = room if chat else min(16, room)
     elif max_tokens > room:  # vLLM's answer too, rather than a silently shorter one
         raise APIError(400, f"the context holds {max_len} tokens, but {len(prompt_ids) + max_tokens} were asked "
                        f"for ({len(prompt_ids)} in the prompt, {length_field}={max_tokens}); {length_field} must be "
-                       f"in [1, {room}]", param=length_field, code="context_length_exceeded")
+                       f"in [{0 if echo else 1}, {room}]", param=length_field, code="context_length_exceeded")
     stop = _typed(body, "stop", (str, list), "a string or a list of strings", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
@@ -202,17 +220,41 @@ def parse_job(body: dict, chat: bool, llm, model_name: str) -> Job:
     options = _typed(body, "stream_options", (dict,), "an object", {})
     include_usage = _typed(options, "include_usage", (bool,), "true or false", False)
     top_k = _int(body, "top_k", -1, MAX_TOP_K, 0)
+    scored = echo and (logprobs is not None or max_tokens == 0)  # echo's prompt logprobs; max_tokens 0 needs them
     params = SamplingParams(
         temperature=_float(body, "temperature", 1.0, 0.0), top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=max(top_k, 0),  # -1 = off, as vLLM spells it; so is 0
         max_tokens=max_tokens, seed=_int(body, "seed", *INT64),
         ignore_eos=_typed(body, "ignore_eos", (bool,), "true or false", False), stop_token_ids=stop_token_ids,
+        logprobs=logprobs, prompt_logprobs=(logprobs or 0) if scored else None,
     )
-    return Job(chat, prompt_ids, params, stop, stream, include_usage)
+    if echo and prompt_text is None:  # token ids: their text
+        prompt_text = llm.decode(prompt_ids)
+    return Job(chat, prompt_ids, params, stop, stream, include_usage, n, logprobs, echo, prompt_text or "")
 
 
-def _prompt_ids(body: dict, llm) -> list[int]:
-    """prompt: a string or a list of token ids (or a batch of one of either)."""
+def _completion_logprobs(body: dict) -> tuple[int | None, bool]:
+    """/v1/completions: (logprobs: the most likely tokens to list, or None; echo)."""
+    if not _is_default(body.get("top_logprobs"), (0,)):
+        raise APIError(400, f"top_logprobs is a chat field; /v1/completions takes logprobs: an integer in "
+                       f"[0, {MAX_LOGPROBS}]", param="top_logprobs")
+    logprobs = None if body.get("logprobs") is False else _int(body, "logprobs", 0, MAX_LOGPROBS)  # false: none
+    return logprobs, _typed(body, "echo", (bool,), "true or false", False)
+
+
+def _chat_logprobs(body: dict) -> tuple[int | None, bool]:
+    """/v1/chat/completions: (top_logprobs if logprobs is true, else None; echo: always False)."""
+    if not _is_default(body.get("echo"), (False,)):
+        raise APIError(400, "echo is not supported by /v1/chat/completions", param="echo")
+    wanted = _typed(body, "logprobs", (bool,), "true or false", False)
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None, False
+
+
+def _prompt_ids(body: dict, llm) -> tuple[list[int], str | None]:
+    """prompt: a string or a list of token ids (or a batch of one of either); (its ids, the string or None)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -232,7 +274,7 @@ def _prompt_ids(body: dict, llm) -> list[int]:
         raise APIError(400, "prompt must be a non-empty string or list of token ids", param="prompt")
     if not ids:
         raise APIError(400, "prompt is empty after tokenization", param="prompt")
-    return ids
+    return ids, prompt if isinstance(prompt, str) else None
 
 
 def _chat_ids(body: dict, llm) -> list[int]:
