@@ -119,7 +119,9 @@ def is_head(draft: str) -> bool:
     from minispec.models.eagle import is_head_checkpoint
     from minispec.models.loader import SHIPPED_DRAFTS
 
-    spec = split_draft(draft)[0]
+    from minispec.llm import HEAD_WITH_LOOKUP
+
+    spec = split_draft(draft)[0].removesuffix(HEAD_WITH_LOOKUP)
     return is_head_checkpoint(SHIPPED_DRAFTS.get(spec.lower(), spec))
 
 
@@ -358,7 +360,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         from minispec.spec_decode.costs import MeasuredCosts
 
         for d in cfg.drafts:
-            draft = NGRAM if d == NGRAM else llms[d].head if llms[d].head is not None else llms[d].draft
+            # a head by its spec (a "+ngram" suffix keeps its lookup), a draft model as loaded
+            draft = NGRAM if d == NGRAM else split_draft(d)[0] if llms[d].head is not None else llms[d].draft
             costs = MeasuredCosts(llms[d].target.model, cost_draft(llms[d]), cfg.k, max_b,
                                   llms[d].target.vocab_size, dtype, device)
             policy = AdaptiveK(cfg.k, cost_model=costs)
