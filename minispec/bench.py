@@ -116,13 +116,11 @@ def split_draft(draft: str) -> tuple[str, str | None]:
 
 def is_head(draft: str) -> bool:
     """Whether a draft entry names an EAGLE head (a checkpoint directory or a shipped head)."""
-    from minispec.models.eagle import is_head_checkpoint
-    from minispec.models.loader import SHIPPED_DRAFTS
-
     from minispec.llm import HEAD_WITH_LOOKUP
+    from minispec.models.eagle import SHIPPED_HEADS, is_head_checkpoint
 
     spec = split_draft(draft)[0].removesuffix(HEAD_WITH_LOOKUP)
-    return is_head_checkpoint(SHIPPED_DRAFTS.get(spec.lower(), spec))
+    return is_head_checkpoint(SHIPPED_HEADS.get(spec.lower(), spec))
 
 
 def minispec_only(draft: str) -> bool:

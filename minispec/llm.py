@@ -15,8 +15,8 @@ from minispec.kernels import cpu
 from minispec.engine.observer import Observer
 from minispec.engine.request import Request
 from minispec.layers.quant import PackedWeight
-from minispec.models.eagle import EagleHead, is_head_checkpoint, load_head
-from minispec.models.loader import SHIPPED_DRAFTS, LoadedModel, load_model
+from minispec.models.eagle import SHIPPED_HEADS, EagleHead, is_head_checkpoint, load_head
+from minispec.models.loader import LoadedModel, load_model
 from minispec.models.quantize import check_quantization, has_packed, is_self_draft, quantize_model, self_draft, \
     shallow_copy
 from minispec.runner.model_runner import ModelRunner
@@ -30,15 +30,16 @@ from minispec.utils import parse_dtype
 
 # The defaults: LLM(), the CLI, serve and `make demo` run DEFAULT_TARGET (packed, exact) with the proposer
 # DRAFT_FOR_TARGET names for it, under adaptive k; (None, None): target-only. Chosen by measurement
-# (docs/experiments.md, "Self-drafts and weight-only quantisation"): on the packed target no proposer pays. The
-# best, the shipped draft at int8 with adaptive k, ran 0.98x target-only at batch 1 and 0.87x / 0.93x at batch
-# 4 / 16 (a 5-token packed verification costs 2 one-token forwards; the draft accepts alpha 0.39).
+# (docs/experiments.md, "An EAGLE-3 head for SmolLM2"): on the packed target no proposer pays on the 2-core Zen 4.
+# The best, the shipped EAGLE-3 head at int8 (+ prompt lookup) with adaptive k, ran 0.91-0.97x target-only at
+# batch 1 and 0.90-1.03x at batch 4 / 16 there (a 5-token packed verification costs 1.9 one-token forwards).
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target, else none
 HEAD_WITH_LOOKUP = "+ngram"  # draft="HEAD+ngram": prompt lookup (matches of 2+ tokens) where it finds one, else the head
 # target alias -> (draft: a model spec, "ngram", a self-draft or None; the draft's quantisation or None)
 DRAFT_FOR_TARGET: dict[str, tuple[str | None, str | None]] = {
-    "smollm2-135m-instruct": (None, None),  # the draft that ships for it: ("smollm2-135m-instruct-draft", "int8")
+    # what ships for it: ("smollm2-135m-instruct-eagle3+ngram", "int8"), ("smollm2-135m-instruct-draft", "int8")
+    "smollm2-135m-instruct": (None, None),
 }
 
 
@@ -361,8 +362,8 @@ def _head(draft, target: LoadedModel) -> EagleHead | None:
     """The draft head that `draft` names (an EagleHead, a head checkpoint directory or a shipped head's name), else None."""
     if isinstance(draft, EagleHead):
         return draft
-    if isinstance(draft, str) and draft.lower() in SHIPPED_DRAFTS:
-        draft = str(SHIPPED_DRAFTS[draft.lower()])
+    if isinstance(draft, str) and draft.lower() in SHIPPED_HEADS:
+        draft = str(SHIPPED_HEADS[draft.lower()])
     return load_head(draft, target.config) if is_head_checkpoint(draft) else None
 
 

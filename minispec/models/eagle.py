@@ -30,6 +30,10 @@ from minispec.models.errors import ModelLoadError
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE1_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# name -> a head shipped inside the package (minispec/drafts/)
+SHIPPED_HEADS: dict[str, Path] = {
+    "smollm2-135m-instruct-eagle3": Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m-instruct-eagle3",
+}
 
 
 @dataclass
@@ -258,6 +262,13 @@ def is_head_checkpoint(spec) -> bool:
 
 
 def _weights_have(path: Path, name: str) -> bool:
+    """Whether a checkpoint directory's weights hold a tensor (safetensors: read from the header alone)."""
+    f = path / WEIGHT_FILES[0]
+    if f.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(f), framework="pt") as st:
+            return name in st.keys() or "model." + name in st.keys()
     try:
         return name in _read_weights(path)
     except ModelLoadError:

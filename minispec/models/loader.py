@@ -37,7 +37,6 @@ ALIASES: dict[str, tuple[str, str, str]] = {
 # alias -> a draft checkpoint shipped inside the package (minispec/drafts/)
 SHIPPED_DRAFTS: dict[str, Path] = {
     "smollm2-135m-instruct-draft": Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m-instruct-draft",
-    "smollm2-135m-instruct-eagle3": Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m-instruct-eagle3",
 }
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
