@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from minispec import LLM, SamplingParams
 from minispec.playground.__main__ import main
@@ -291,6 +292,27 @@ def test_costs_are_measured_before_serving(target_dir, draft_dir, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for n in (1, 2, 3, 5):
         assert all(len(o.token_ids) == 6 for o in llm.generate(prompts[:n], params))
+
+
+def test_cost_bench_makes_rank0s_number_of_calls(target_dir, monkeypatch):
+    """Under TP every forward is collective, so how many calls a timer batches must not come from this rank's own
+    (noisy) warm-up: it comes from rank 0's, broadcast. A fake two-rank group whose broadcast says each warm-up took
+    a second (one call per sample) meets a fast local model: each timer still runs exactly 1 + repeats calls."""
+    from minispec import distributed
+    from minispec.models.loader import load_model
+    from minispec.spec_decode import costs as costs_module
+
+    class TwoRanks(distributed.TPGroup):
+        def broadcast(self, x, src=0):
+            return x.fill_(1.0)  # rank 0's warm-up times: one second each
+
+    model = load_model(target_dir, dtype=torch.float32, device="cpu").model
+    bench = costs_module.CostBench(model, {"draft": "ngram"}, 2, 2, 16, model.vocab_size, torch.float32, "cpu")
+    steps = []
+    monkeypatch.setattr(bench.target, "step", lambda b, n: steps.append(n))
+    monkeypatch.setattr(costs_module, "get_tp_group", lambda: TwoRanks(world_size=2))
+    bench.measure(2, repeats=3)
+    assert sorted(steps) == sorted([1] * 4 + [2] * 4 + [3] * 4)  # target, verify1, verify2: 1 + 3 calls each
 
 
 def test_config_and_overrides(tmp_path):

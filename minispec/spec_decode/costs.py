@@ -10,6 +10,7 @@ import time
 import numpy as np
 import torch
 
+from minispec.distributed import get_tp_group
 from minispec.runner.model_runner import ModelRunner
 from minispec.spec_decode.adaptive import batch_bucket
 from minispec.spec_decode.draft_logits import DraftLogitsCache
@@ -100,7 +101,11 @@ class CostBench:
         # Warm up (a first sample), and batch calls that take under MIN_SAMPLE_S (tiny models) so timer noise
         # stays small.
         times: dict[str, list[float]] = {name: [_time(fn)] for name, fn in timers.items()}
-        calls = {name: max(1, min(100, int(MIN_SAMPLE_S / max(t[0], 1e-6)))) for name, t in times.items()}
+        warm = torch.tensor([t[0] for t in times.values()], dtype=torch.float64)  # [num_timers]
+        tp = get_tp_group()
+        if tp.world_size > 1:  # the forwards are collective: every rank makes rank 0's number of calls
+            warm = tp.broadcast(warm.to(tp.device)).cpu()
+        calls = {name: max(1, min(100, int(MIN_SAMPLE_S / max(t, 1e-6)))) for name, t in zip(times, warm.tolist())}
         order = np.random.default_rng(self.seed)
         names = list(timers)
         for _ in range(repeats):
@@ -180,8 +185,8 @@ class MeasuredCosts:
             costs = bench.measure(b, repeats, verify_ks=[1, k_max])  # the fit is a line: its two ends
             values = torch.tensor([costs["c"]["draft"]] + [costs["verify_ratio_fit"][k] for k in
                                                               range(1, k_max + 1)], dtype=torch.float64)
-            tp = getattr(target_model, "tp_group", None)
-            if tp is not None and tp.world_size > 1:  # every rank must choose the same k: rank 0's timings
+            tp = get_tp_group()
+            if tp.world_size > 1:  # every rank must choose the same k: rank 0's timings
                 values = tp.broadcast(values.to(tp.device)).cpu()
             self.table[b] = (float(values[0]), [1.0] + values[1:].tolist())
         self.measure_s = time.perf_counter() - t0
