@@ -1,6 +1,7 @@
 """Train an EAGLE-3 head (models/eagle.py) on the target's own answers and hidden states (distill/head_data.py).
 
 python -m minispec.distill.head --data DIR --eval-data DIR --out DIR [--max-tokens N] [--time-budget MIN] [--resume]
+    [--init EARLIER_OUT]
 
 - Draft vocabulary: the draft_vocab most frequent answer tokens of the training data (FR-Spec); the head's q is
   0 elsewhere, which stays lossless.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from minispec.distill.head_data import load_records, read_manifest
-from minispec.models.eagle import EagleHead, HeadConfig, save_head
+from minispec.models.eagle import EagleHead, HeadConfig, load_head, save_head
 from minispec.tools.metrics import tau_from_acceptance
 
 
@@ -53,6 +54,7 @@ class HeadTrainConfig:
     seed: int = 0
     threads: int = 0
     bf16: bool = True  # autocast the head's matmuls to bfloat16 (AVX512-BF16 / AMX / tensor cores); weights float32
+    init: str = ""  # an earlier run's out/: start from its head (weights, draft vocabulary), with a fresh schedule
 
 
 def draft_vocabulary(records: list[dict], size: int, vocab_size: int) -> torch.Tensor:
@@ -79,6 +81,17 @@ def new_head(target, draft_ids: torch.Tensor, feature_layers: tuple[int, ...]) -
         head.norm.copy_(target.norm.weight.float())
         head.lm_head.weight.copy_(lm[draft_ids])
         head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+    return head
+
+
+def init_head(path: Path, target, feature_layers: tuple[int, ...]) -> EagleHead:
+    """An earlier run's head to train on: its float32 weights from ckpt.pt where kept, else its saved checkpoint."""
+    head = load_head(path, target.config).float()
+    if tuple(head.cfg.feature_layers) != tuple(feature_layers):
+        raise ValueError(f"--init {path} reads target layers {list(head.cfg.feature_layers)}; this data and "
+                         f"--features give {list(feature_layers)}")
+    if (path / "ckpt.pt").is_file():
+        head.load_state_dict(torch.load(path / "ckpt.pt", weights_only=False)["head"])
     return head
 
 
@@ -217,12 +230,16 @@ def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log
     n_tokens = sum(len(r["topk_ids"]) for r in train_recs)
     log(f"head: {len(train_recs)} train answers ({n_tokens} tokens), {len(eval_recs)} eval answers "
         f"({sum(len(r['topk_ids']) for r in eval_recs)} tokens), loaded in {time.perf_counter() - t0:.0f} s")
-    draft_ids = draft_vocabulary(train_recs, cfg.draft_vocab, target.vocab_size)
+    if cfg.init:
+        head = init_head(Path(cfg.init), target, feature_layers)
+        draft_ids = head.draft_ids
+    else:
+        draft_ids = draft_vocabulary(train_recs, cfg.draft_vocab, target.vocab_size)
+        head = new_head(target, draft_ids, feature_layers)
     t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
     t2d[draft_ids] = torch.arange(len(draft_ids))
     coverage = sum(int((t2d[r["ids"][r["start"]:].long()] >= 0).sum()) for r in eval_recs) / \
         max(1, sum(len(r["ids"]) - r["start"] for r in eval_recs))
-    head = new_head(target, draft_ids, feature_layers)
     emb_table = target_embeddings(target)
     del target
     train_b = Batches(train_recs, cfg.batch_tokens, cfg.ttt_steps, t2d, cols, cfg.seed)

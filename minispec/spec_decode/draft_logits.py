@@ -210,6 +210,12 @@ class DraftLogitsCache:
         """Cache one draft step's logits [num_mine, V] at this rank's rows [num_mine] (each >= 0)."""
         self.values[rows, step] = logits.to(self.values.dtype)
 
+    def write_subset(self, rows: torch.Tensor, step: int, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        """Cache one draft step's logits over the vocabulary ids [num_ids] (logits [num_mine, num_ids]) at this
+        rank's rows [num_mine] (each >= 0), -inf at every other id."""
+        self.values[rows, step] = float("-inf")
+        self.values[rows.unsqueeze(1), step, ids.unsqueeze(0)] = logits.to(self.values.dtype)
+
     def write_one_hot(self, rows: torch.Tensor, drafts: torch.Tensor) -> None:
         """Cache one-hot draft logits (0 at the draft, -inf elsewhere) in the rows this rank owns.
 

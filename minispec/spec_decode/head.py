@@ -186,12 +186,14 @@ class HeadProposer:
         fused = True
         for j in range(num_steps):
             logits, hidden = self.runner.forward(slots, starts, tokens, feats, fused)
-            full = self.runner.full_vocab(logits, self.vocab_size)  # [num_reqs, V]
-            cache.write(rows, j, full[mine])
+            if self.runner.identity_vocab:
+                cache.write(rows, j, logits[mine])
+            else:
+                cache.write_subset(rows, j, logits[mine], self.runner.draft_ids)
             if sampling.greedy:  # the argmax over the draft vocabulary's rows: a sixth of the full row's work
                 tok = self.runner.draft_ids[greedy_tokens(logits)[0]]
-            else:
-                tok = draw_drafts(full, sampling, u[:, j])
+            else:  # drawn from the full row, as the rejection sampler recomputes q from the cache
+                tok = draw_drafts(self.runner.full_vocab(logits, self.vocab_size), sampling, u[:, j])
             drafts[:, j] = tok.cpu().numpy()
             starts = [s + len(t) for s, t in zip(starts, tokens)]
             tokens = [[int(t)] for t in drafts[:, j]]

@@ -1,0 +1,83 @@
+"""The head's tools on a tiny target: distill/head_data.py's records and resumption, distill/head.py's run, --resume
+and --init, and the trained head served by LLM(draft=DIR) with target greedy output."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from minispec import LLM, SamplingParams
+from minispec.distill.head import HeadTrainConfig, init_head, train
+from minispec.distill.head_data import generate, load_records, read_manifest
+from minispec.models.loader import load_model
+from tests.utils import make_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny 8-layer target (features from layers 2, 4, 5) with the SmolLM2 tokenizer, its data and one trained head."""
+    root = tmp_path_factory.mktemp("head-training")
+    target = make_tiny_model_dir(str(root / "target"), seed=0, num_hidden_layers=8, with_tokenizer=True)
+    quiet = lambda *a: None  # noqa: E731
+    generate(target, root / "train", 6, max_tokens=10, batch=3, shard_size=2, log=quiet)
+    generate(target, root / "eval", 3, max_tokens=10, batch=2, split="eval", log=quiet)
+    cfg = HeadTrainConfig(data=str(root / "train"), eval_data=str(root / "eval"), out=str(root / "head"),
+                          draft_vocab=64, epochs=3, batch_tokens=32, warmup_steps=2, eval_every=4, bf16=False)
+    final = train(cfg, progress=False, log=quiet)
+    return root, target, cfg, final
+
+
+def test_records_hold_the_targets_answers_and_states(tiny):
+    root, target, _, _ = tiny
+    manifest = read_manifest(root / "train")
+    assert len(manifest["done"]) == 6 and len(manifest["shards"]) == 3  # 2 answers a shard
+    model = load_model(target, dtype=torch.float32, device="cpu").model
+    for r in load_records(root / "train"):
+        n = len(r["ids"]) - r["start"]  # answer tokens
+        assert 1 <= n <= 10 and r["topk_ids"].shape == (n, 20) and r["topk_logp"].shape == (n, 20)
+        assert r["states"].shape == (len(r["ids"]) - 1, 3 * model.hidden_size)
+        assert (r["topk_logp"][:, :-1] >= r["topk_logp"][:, 1:]).all()  # the top-k, best first
+        if r["temperature"] == 0:  # greedy: every answer token is the target's top-1 there
+            assert torch.equal(r["ids"][r["start"]:].long(), r["topk_ids"][:, 0].long())
+
+
+def test_data_resumes_with_only_the_new_prompts(tiny, tmp_path):
+    root, target, _, _ = tiny
+    out = tmp_path / "more"
+    generate(target, out, 2, max_tokens=10, batch=2, log=lambda *a: None)
+    first = read_manifest(out)["done"]
+    logs = []
+    generate(target, out, 3, max_tokens=10, batch=2, log=logs.append)
+    assert "2 answers" in logs[0] and "1 to make" in logs[0]
+    assert read_manifest(out)["done"][:2] == first and len(read_manifest(out)["done"]) == 3
+    with pytest.raises(ValueError, match="other settings"):
+        generate(target, out, 3, max_tokens=11, batch=2, log=lambda *a: None)
+
+
+def test_trained_head_is_served_and_lossless(tiny):
+    root, target, cfg, final = tiny
+    head_dir = Path(cfg.out)
+    assert {"config.json", "model.safetensors", "metrics.json", "README.md", "ckpt.pt"} <= {p.name for p in
+                                                                                         head_dir.iterdir()}
+    assert 0.0 <= final["acc_1"] <= 1.0 and final["step"] > 0
+    prompts = ["The quick brown fox", "1 2 3 4"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(target=target).generate(prompts, params)]
+    llm = LLM(target=target, draft=str(head_dir), num_speculative_tokens=3)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+
+
+def test_init_starts_from_an_earlier_head(tiny, tmp_path):
+    root, target, cfg, _ = tiny
+    model = load_model(target, dtype=torch.float32, device="cpu").model
+    head = init_head(Path(cfg.out), model, (2, 4, 5))
+    kept = torch.load(Path(cfg.out) / "ckpt.pt", weights_only=False)["head"]
+    assert all(torch.equal(head.state_dict()[k], v) for k, v in kept.items())  # the float32 weights, not bf16's
+    with pytest.raises(ValueError, match="reads target layers"):
+        init_head(Path(cfg.out), model, (5,))
+    again = HeadTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "again"), "init": cfg.out, "epochs": 0.5,
+                               "draft_vocab": 16})
+    train(again, progress=False, log=lambda *a: None)
+    trained = init_head(tmp_path / "again", model, (2, 4, 5))
+    assert torch.equal(trained.draft_ids, head.draft_ids)  # the earlier vocabulary (64 ids), not a new one of 16
