@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from minispec.distributed import init_distributed
+from minispec.distributed import TPGroup, init_distributed
 from minispec.engine.engine import Engine, EngineConfig
 from minispec.kernels import cpu
 from minispec.engine.observer import Observer
@@ -162,30 +162,9 @@ class LLM:
         k_policy=None,
         observer: Observer | None = None,
     ):
-        if k_policy is not None and adaptive_k:
-            raise ValueError("give adaptive_k=True or a k_policy, not both")
-        for q in (quantization, draft_quantization):
-            if q is not None:
-                check_quantization(q)
-        if draft == "auto":
-            draft, auto_quantization = DRAFT_FOR_TARGET.get(target.lower(), (None, None)) if isinstance(target, str) \
-                else (None, None)
-            draft_quantization = auto_quantization if draft_quantization is None else draft_quantization
-            adaptive_k = k_policy is None if adaptive_k is None else adaptive_k
-        if is_self_draft(draft) and (draft_dtype is not None or draft_quantization is not None):
-            raise ValueError(f"draft='{draft}' runs in the target's dtype and names its own quantisation; "
-                             f"drop draft_dtype / draft_quantization")
-        adaptive_k = bool(adaptive_k)
-        if draft is not None and not 1 <= num_speculative_tokens <= 32:
-            raise ValueError(f"num_speculative_tokens must be in [1, 32], got {num_speculative_tokens}")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        tp = init_distributed()
-        if tp.world_size != tensor_parallel_size:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} but the job has {tp.world_size} rank(s); "
-                f"launch with torchrun --nproc-per-node {tensor_parallel_size}"
-            )
+        draft, draft_quantization, adaptive_k = resolve_draft(target, draft, draft_quantization, adaptive_k, k_policy)
+        check_options(draft, num_speculative_tokens, max_num_seqs, draft_dtype, quantization, draft_quantization)
+        tp = start_tp(tensor_parallel_size)
         torch_dtype = parse_dtype(dtype)
         draft_torch_dtype = torch_dtype if draft_dtype is None else parse_dtype(draft_dtype)
         self.device = torch.device(device) if device else tp.device
@@ -193,65 +172,81 @@ class LLM:
             cpu.ops()  # build (once, cached) the C++ kernels now, not inside the first generation's timing
         self.target = _loaded(target, torch_dtype, self.device, packed, quantization)
         self.tokenizer = self.target.tokenizer
-        self.draft = None
+        lookup = isinstance(draft, str) and draft.endswith(HEAD_WITH_LOOKUP)  # prompt lookup first, then the head
+        self.head, self.draft = self._load_draft(draft.removesuffix(HEAD_WITH_LOOKUP) if lookup else draft, lookup,
+                                                 draft_dtype, draft_torch_dtype, packed, draft_quantization)
         k = num_speculative_tokens if draft is not None else 0
         max_len = min(max_model_len or 2048, self.target.max_model_len)
-        lookup = isinstance(draft, str) and draft.endswith(HEAD_WITH_LOOKUP)  # prompt lookup first, then the head
-        head = self.head = _head(draft.removesuffix(HEAD_WITH_LOOKUP) if lookup else draft, self.target)
+        if self.draft is not None:
+            max_len = min(max_len, self.draft.max_model_len)
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              max_model_len=max_len, shard_draft_logits=shard_draft_logits)
+        kv_len = max_len + k + 1  # room for k drafts (and the draft's k - 1 fed drafts) past the last real position
+        target_runner = ModelRunner(self.target.model, max_num_seqs, kv_len, dtype=torch_dtype, device=self.device)
+        proposer = self._proposer(draft, lookup, target_runner, k, max_num_seqs, kv_len, ngram_n, draft_torch_dtype,
+                                  draft_quantization)
+        if adaptive_k and proposer is not None:
+            k_policy = self._adaptive_k(proposer, max_num_seqs, torch_dtype, tp)
+        self.engine = Engine(target_runner, proposer, config, self.target.eos_token_ids, self.target.vocab_size,
+                             k_policy=k_policy if proposer is not None else None, observer=observer)
+        self._rng = np.random.default_rng(shared_seed(seed, tp))
+        self._next_id = 0
+
+    # ---- the steps of __init__ ------------------------------------------------------------
+    def _load_draft(self, draft, lookup: bool, draft_dtype, draft_torch_dtype, packed, draft_quantization
+                    ) -> tuple[EagleHead | None, LoadedModel | None]:
+        """(the EAGLE head, the draft model) that `draft` names: at most one of them, neither for "ngram" or None."""
+        head = _head(draft, self.target)
         if lookup and head is None:
-            raise ValueError(f"draft '{draft}': '{HEAD_WITH_LOOKUP}' combines prompt lookup with an EAGLE head, and "
-                             f"'{draft.removesuffix(HEAD_WITH_LOOKUP)}' is not one")
+            raise ValueError(f"draft '{draft}{HEAD_WITH_LOOKUP}': '{HEAD_WITH_LOOKUP}' combines prompt lookup with an "
+                             f"EAGLE head, and '{draft}' is not one")
         if head is not None:
             if draft_dtype is not None:
                 raise ValueError("a draft head runs in float32 (packed with draft_quantization); drop draft_dtype")
-        elif is_self_draft(draft):
-            self.draft = self_draft(self.target, draft)
-        elif draft is not None and draft != "ngram":
-            self.draft = _loaded(draft, draft_torch_dtype, self.device, packed, draft_quantization)
-            if self.draft.vocab_size != self.target.vocab_size:
-                raise ValueError(
-                    f"draft vocabulary ({self.draft.vocab_size} tokens, {self.draft.name}) differs from the "
-                    f"target's ({self.target.vocab_size}, {self.target.name}); they must share a tokenizer"
-                )
-            max_len = min(max_len, self.draft.max_model_len)
-        config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_len, k, shard_draft_logits)
-        # Room for k drafts (and the draft's k - 1 fed drafts) past the last real position.
-        kv_len = max_len + k + 1
-        target_runner = ModelRunner(self.target.model, max_num_seqs, kv_len, dtype=torch_dtype, device=self.device)
-        proposer = None
-        if head is not None:
-            head_runner = HeadRunner(head, self.target.model, max_num_seqs, kv_len, self.device, draft_quantization)
-            proposer = HeadProposer(head_runner, target_runner, k,
-                                    lookup=(max(2, ngram_n[0]), max(2, ngram_n[1])) if lookup else None)
-        elif draft == "ngram":
-            proposer = NgramProposer(k, *ngram_n, device=self.device)
-        elif self.draft is not None:
-            # A self-draft with every layer reads and extends the target's KV cache: no draft prefill.
-            shared = is_self_draft(draft) and self.draft.model.num_layers == self.target.model.num_layers
-            draft_runner = ModelRunner(self.draft.model, max_num_seqs, kv_len, dtype=draft_torch_dtype,
-                                       device=self.device, kv=target_runner.kv if shared else None)
-            proposer = DraftModelProposer(draft_runner, k, shares_target_kv=shared)
-        if adaptive_k and proposer is not None:
-            # Draft and verify costs measured on these models at each batch-size bucket, now (before serving).
-            measured = head_runner if head is not None else "ngram" if self.draft is None else self.draft.model
-            costs = MeasuredCosts(self.target.model, measured, k, max_num_seqs, self.target.vocab_size, torch_dtype,
-                                  self.device, repeats=1)
-            # Seeded requests choose their own k on the roofline instead (reproducible): a draft step costs
-            # the draft's parameter bytes over the target's, verification is free.
-            draft_bytes = head_runner.weights.nbytes() if head is not None else \
-                0 if self.draft is None else param_bytes(self.draft.model)
-            c = draft_bytes / param_bytes(self.target.model)
-            if tp.world_size > 1:  # every rank must choose the same k: rank 0's ratio
-                c = float(tp.broadcast(torch.tensor([c], dtype=torch.float64, device=self.device)).item())
-            k_policy = AdaptiveK(k, cost_model=costs, seeded_costs=(c, None))
-        self.engine = Engine(target_runner, proposer, config, self.target.eos_token_ids, self.target.vocab_size,
-                             k_policy=k_policy if proposer is not None else None, observer=observer)
-        if seed is None:
-            seed = secrets.randbits(62)
-            if tp.world_size > 1:  # every rank must give unseeded requests the same seed
-                seed = int(tp.broadcast(torch.tensor([seed], dtype=torch.int64)).item())
-        self._rng = np.random.default_rng(seed)
-        self._next_id = 0
+            return head, None
+        if is_self_draft(draft):
+            return None, self_draft(self.target, draft)
+        if draft is None or draft == "ngram":
+            return None, None
+        loaded = _loaded(draft, draft_torch_dtype, self.device, packed, draft_quantization)
+        if loaded.vocab_size != self.target.vocab_size:
+            raise ValueError(
+                f"draft vocabulary ({loaded.vocab_size} tokens, {loaded.name}) differs from the "
+                f"target's ({self.target.vocab_size}, {self.target.name}); they must share a tokenizer"
+            )
+        return None, loaded
+
+    def _proposer(self, draft, lookup: bool, target_runner: ModelRunner, k: int, num_slots: int, kv_len: int,
+                  ngram_n, draft_torch_dtype, draft_quantization):
+        """The proposer over the loaded head or draft model, prompt lookup, or None (target only)."""
+        if self.head is not None:
+            runner = HeadRunner(self.head, self.target.model, num_slots, kv_len, self.device, draft_quantization)
+            return HeadProposer(runner, target_runner, k,
+                                lookup=(max(2, ngram_n[0]), max(2, ngram_n[1])) if lookup else None)
+        if draft == "ngram":
+            return NgramProposer(k, *ngram_n, device=self.device)
+        if self.draft is None:
+            return None
+        # A self-draft with every layer reads and extends the target's KV cache: no draft prefill.
+        shared = is_self_draft(draft) and self.draft.model.num_layers == self.target.model.num_layers
+        runner = ModelRunner(self.draft.model, num_slots, kv_len, dtype=draft_torch_dtype, device=self.device,
+                             kv=target_runner.kv if shared else None)
+        return DraftModelProposer(runner, k, shares_target_kv=shared)
+
+    def _adaptive_k(self, proposer, max_num_seqs: int, torch_dtype, tp) -> AdaptiveK:
+        """AdaptiveK over draft and verify costs measured on these models at each batch-size bucket, now (before
+        serving). Seeded requests choose their own k on the roofline instead (reproducible): a draft step costs
+        the draft's parameter bytes over the target's, verification is free."""
+        k = proposer.k
+        measured = proposer.runner if self.head is not None else "ngram" if self.draft is None else self.draft.model
+        costs = MeasuredCosts(self.target.model, measured, k, max_num_seqs, self.target.vocab_size, torch_dtype,
+                              self.device, repeats=1)
+        draft_bytes = proposer.runner.weights.nbytes() if self.head is not None else \
+            0 if self.draft is None else param_bytes(self.draft.model)
+        c = draft_bytes / param_bytes(self.target.model)
+        if tp.world_size > 1:  # every rank must choose the same k: rank 0's ratio
+            c = float(tp.broadcast(torch.tensor([c], dtype=torch.float64, device=self.device)).item())
+        return AdaptiveK(k, cost_model=costs, seeded_costs=(c, None))
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -356,6 +351,53 @@ class LLM:
         if len(sp) != n:
             raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
         return sp
+
+
+def resolve_draft(target, draft, draft_quantization: str | None, adaptive_k: bool | None, k_policy
+                  ) -> tuple[object, str | None, bool]:
+    """(draft, draft_quantization, adaptive_k) with draft="auto" replaced by what DRAFT_FOR_TARGET names for the
+    target (None where it names nothing), and adaptive_k's None by its default: on for "auto", else off."""
+    if k_policy is not None and adaptive_k:
+        raise ValueError("give adaptive_k=True or a k_policy, not both")
+    if draft != "auto":
+        return draft, draft_quantization, bool(adaptive_k)
+    named, quantization = DRAFT_FOR_TARGET.get(target.lower(), (None, None)) if isinstance(target, str) else (None, None)
+    adaptive = k_policy is None if adaptive_k is None else adaptive_k
+    return named, quantization if draft_quantization is None else draft_quantization, bool(adaptive)
+
+
+def check_options(draft, num_speculative_tokens: int, max_num_seqs: int, draft_dtype, quantization: str | None,
+                  draft_quantization: str | None) -> None:
+    """One-line ValueErrors for options that do not fit together, before anything loads."""
+    for q in (quantization, draft_quantization):
+        if q is not None:
+            check_quantization(q)
+    if is_self_draft(draft) and (draft_dtype is not None or draft_quantization is not None):
+        raise ValueError(f"draft='{draft}' runs in the target's dtype and names its own quantisation; "
+                         f"drop draft_dtype / draft_quantization")
+    if draft is not None and not 1 <= num_speculative_tokens <= 32:
+        raise ValueError(f"num_speculative_tokens must be in [1, 32], got {num_speculative_tokens}")
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+
+
+def start_tp(tensor_parallel_size: int) -> TPGroup:
+    """Join torchrun's job (or a single-rank group), checking it has tensor_parallel_size ranks."""
+    tp = init_distributed()
+    if tp.world_size != tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but the job has {tp.world_size} rank(s); "
+                         f"launch with torchrun --nproc-per-node {tensor_parallel_size}")
+    return tp
+
+
+def shared_seed(seed: int | None, tp: TPGroup) -> int:
+    """The seed of the unseeded requests' seeds: `seed`, else a random one, rank 0's on every rank."""
+    if seed is not None:
+        return seed
+    seed = secrets.randbits(62)
+    if tp.world_size > 1:
+        seed = int(tp.broadcast(torch.tensor([seed], dtype=torch.int64)).item())
+    return seed
 
 
 def _head(draft, target: LoadedModel) -> EagleHead | None:

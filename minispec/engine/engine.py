@@ -26,7 +26,6 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    num_speculative_tokens: int = 4
     shard_draft_logits: bool | None = None  # None: sharded iff tp > 1
 
 
