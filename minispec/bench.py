@@ -3,7 +3,8 @@
     .venv/bin/python -m minispec.bench [--config configs/bench-smollm2.toml] [--quick] [--out bench.json]
 
 Every system generates the same number of tokens for the same token prompts (ignore_eos; transformers
-gets min_new_tokens = max_new_tokens). Each round runs every row once, in alternating order, so machine
+gets min_new_tokens = max_new_tokens), or with stop_at_eos each stops at the target's end of answer (the
+tokens a server would send; a draft trained on answers is not asked to guess past them). Each round runs every row once, in alternating order, so machine
 drift hits all rows alike. Besides tok/s the run measures the memory bandwidth (roofline at batch 1),
 the draft and verify cost ratios of minispec's own forwards, and from them each speculative row's
 engine efficiency: measured speedup / speedup predicted from its per-token acceptance alpha,
@@ -56,6 +57,7 @@ class BenchConfig:
     device: str | None = None  # None: minispec's default (the TP group's device)
     threads: int | None = None  # torch CPU threads; None: torch's default
     chat: bool = True  # apply the target's chat template when it has one
+    stop_at_eos: bool = False  # end each answer at the target's EOS (else every system makes max_tokens tokens)
     cost_reps: int = 20  # timed forwards per cost-ratio measurement
     adaptive: bool = True  # also run each draft with AdaptiveK (measured costs; may turn speculation off)
     bandwidth_mib: int = 512  # size of the tensor copied to measure memory bandwidth
@@ -201,7 +203,7 @@ def minispec_runner(llm, cfg: BenchConfig, temperature: float):
     def run(batches, max_tokens):
         tokens, outputs = 0, []
         for batch in batches:
-            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=not cfg.stop_at_eos,
                                      seed=cfg.seed + i) for i, _ in batch]
             outs = llm.generate([p for _, p in batch], params)
             tokens += sum(len(o.token_ids) for o in outs)
@@ -212,10 +214,13 @@ def minispec_runner(llm, cfg: BenchConfig, temperature: float):
 
 
 def hf_runner(model, pad_id: int, cfg: BenchConfig, temperature: float, **extra):
-    """A row's run function for transformers' generate: left-padded batches with an attention mask."""
+    """A row's run function for transformers' generate: left-padded batches with an attention mask; with
+    cfg.stop_at_eos it counts each answer's tokens up to its first EOS."""
     device = model.device
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     def run(batches, max_tokens):
         tokens = 0
@@ -227,13 +232,20 @@ def hf_runner(model, pad_id: int, cfg: BenchConfig, temperature: float, **extra)
                 ids[r, width - len(p) :] = torch.tensor(p)
                 mask[r, width - len(p) :] = 1
             torch.manual_seed(cfg.seed + j)
+            length = {} if cfg.stop_at_eos else dict(min_new_tokens=max_tokens)
             with torch.inference_mode():
                 out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_tokens,
-                                     min_new_tokens=max_tokens, pad_token_id=pad_id, **sampling, **extra)
-            tokens += (out.shape[1] - width) * len(batch)
+                                     pad_token_id=pad_id, **length, **sampling, **extra)
+            new = out[:, width:].cpu()  # [b, n]
+            tokens += sum(answer_length(row.tolist(), eos) for row in new) if cfg.stop_at_eos else new.numel()
         return tokens, None
 
     return run
+
+
+def answer_length(ids: list[int], eos: set[int]) -> int:
+    """Tokens of a generated row up to and including its first EOS (all of them without one)."""
+    return next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))
 
 
 def build_rows(cfg: BenchConfig, hf_target, hf_drafts: dict, llms: dict, pad_id: int,
@@ -672,6 +684,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the target's chat template (default: on)")
+    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="end each answer at the target's EOS (default: off, every system makes --max-tokens)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="also run each draft with adaptive k (default: on)")
     p.add_argument("--cost-reps", type=int, default=None, help="timed forwards per cost-ratio measurement")
@@ -689,7 +703,7 @@ def config_from_args(args) -> BenchConfig:
     if args.draft is not None:
         overrides["drafts"] = [d for d in args.draft if d.lower() != "none"]
     for name in ("target", "quantizations", "k", "batch_sizes", "temperatures", "max_tokens", "num_prompts", "rounds", "seed",
-                 "dtype", "device", "threads", "chat", "cost_reps", "bandwidth_mib", "adaptive",
+                 "dtype", "device", "threads", "chat", "stop_at_eos", "cost_reps", "bandwidth_mib", "adaptive",
                  "llama_bench"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)

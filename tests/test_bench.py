@@ -190,3 +190,23 @@ def test_llama_cpp_decode_reads_llama_bench_json(tmp_path):
     assert ts is None and "SIGILL" in note
     ts, note = bench.llama_cpp_decode(str(tmp_path / "missing"), "m.gguf", 2, 128)
     assert ts is None and note.startswith("llama-bench failed")
+
+
+def test_stop_at_eos_counts_each_answer_to_its_end(quick_run):
+    """stop_at_eos: transformers and minispec rows count the same tokens, each answer up to its first EOS
+    (here the 3rd token of a greedy answer made the EOS on both sides)."""
+    from minispec import LLM
+
+    _, _, target, _, _ = quick_run
+    assert bench.answer_length([5, 7, 2, 9, 2], {2}) == 3 and bench.answer_length([5, 7], {2}) == 2
+    cfg = bench.BenchConfig(target=target, stop_at_eos=True)
+    prompt = [[0, [3, 14, 15, 92, 6]]]
+    llm = LLM(target, None)
+    _, (free,) = bench.minispec_runner(llm, bench.BenchConfig(target=target), 0.0)([prompt], 12)
+    eos = free.token_ids[2]
+    llm.engine.eos_token_ids = {eos}
+    tokens, _ = bench.minispec_runner(llm, cfg, 0.0)([prompt], 12)
+    model, _ = bench.load_hf(target, torch.float32, torch.device("cpu"))
+    model.generation_config.eos_token_id = eos
+    hf_tokens, _ = bench.hf_runner(model, 0, cfg, 0.0)([prompt], 12)
+    assert tokens == hf_tokens == free.token_ids.index(eos) + 1
