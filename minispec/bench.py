@@ -27,13 +27,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from minispec.data import load_prompts
 from minispec.llm import DEFAULT_TARGET, param_bytes
 from minispec.models.quantize import check_quantization, is_self_draft
 from minispec.spec_decode.costs import measure_costs
 from minispec.tools.config import load_settings
 from minispec.tools.metrics import acceptance_by_position, aggregate, predicted_speedup, tau_from_acceptance
-from minispec.tools.prompts import encode_prompts
+from minispec.tools.prompts import encode_prompts, load_prompt_set
 
 NGRAM = "ngram"
 NGRAM_N = (1, 3)  # minispec's n-gram sizes; transformers prompt lookup matches up to the same max
@@ -98,9 +97,10 @@ def load_hf(spec: str, dtype: torch.dtype, device: torch.device):
 
 
 def load_prompt_texts(num_prompts: int) -> tuple[list[str], str]:
-    """num_prompts eval prompts of prompts.json in file order (cycled if the set is smaller), and their source."""
-    texts = load_prompts(split="eval")
-    return [texts[i % len(texts)] for i in range(num_prompts)], "minispec.data (eval)"
+    """num_prompts eval prompts of prompts.json, round-robin over its categories (cycled if the set is smaller),
+    and their source: a short run covers every kind of request, not the first category's alone."""
+    texts, _ = load_prompt_set("eval", num_prompts)
+    return [texts[i % len(texts)] for i in range(num_prompts)], "minispec.data (eval, round-robin over categories)"
 
 
 def batches_of(prompts: list[list[int]], batch_size: int) -> list[list[tuple[int, list[int]]]]:
