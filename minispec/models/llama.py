@@ -18,6 +18,7 @@ from torch import nn
 
 from minispec.distributed import TPGroup, get_tp_group
 from minispec.kernels import cpu
+from minispec.kernels.ggml import F32
 from minispec.layers.activation import silu_mul
 from minispec.layers.attention import AttentionMetadata, ForwardBatch, attention
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -203,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
                                                                        layer.post_attention_layernorm)]
                 self._cpu_layers = (
                     [m.weight.data if isinstance(m.weight, PackedWeight) else m.weight for m in linears],
-                    [m.weight.qtype if isinstance(m.weight, PackedWeight) else 0 for m in linears],
+                    [m.weight.qtype if isinstance(m.weight, PackedWeight) else F32 for m in linears],  # F32: dense
                     [m.bias if m.bias is not None else torch.empty(0) for m in linears],
                     norms + [self.norm.weight],
                 )
