@@ -259,16 +259,12 @@ class DraftLogitsCache:
                 self._num_shards, self._shard_idx,
             )
 
-    def owners_of(self, slots_np: np.ndarray) -> tuple[np.ndarray, torch.Tensor | None]:
-        """The TP rank that verifies each of a batch's requests: the rank that cached its draft
-        logits, or for a replicated cache, round-robin over batch positions.
-
-        Returns [num_reqs] each request's owner, and the [max_num_reqs] device owner table (None
-        for a replicated cache).
-        """
+    def owners_of(self, slots_np: np.ndarray) -> np.ndarray:
+        """[num_reqs] the TP rank that verifies each of a batch's requests: the rank that cached its draft
+        logits, or for a replicated cache, round-robin over batch positions."""
         if self.row_mapping is None:
-            return shard_owners(slots_np.shape[0], get_tp_group().world_size), None
-        return self.shard_mapping_np[slots_np], self.shard_mapping
+            return shard_owners(slots_np.shape[0], get_tp_group().world_size)
+        return self.shard_mapping_np[slots_np]
 
     def stale_drafts(self, input_batch) -> torch.Tensor | None:
         """Mark the drafts whose draft logits were overwritten since drafting; only valid for

@@ -124,10 +124,10 @@ def run_rank(
         batch = InputBatch.build([str(r) for r in step.req_ids], slots_np, num_logits, device)
 
         # Verification: owners and stale drafts.
-        owners, owner_table = cache.owners_of(batch.slots_np)
+        owners = cache.owners_of(batch.slots_np)
         want_owners = [oracle.owner(s) for s in step.slots]
         check(owners.tolist() == want_owners, f"step {t}: owners {owners.tolist()} != {want_owners}")
-        check(owner_table.cpu().tolist() == cache.shard_mapping_np.tolist(), f"step {t}: device/host owners")
+        check(cache.shard_mapping.cpu().tolist() == cache.shard_mapping_np.tolist(), f"step {t}: device/host owners")
         stale = cache.stale_drafts(batch).cpu()
         if twin is not None:
             draft_logits.FORCE_TRITON = True
@@ -163,7 +163,7 @@ def run_rank(
                 check(torch.equal(a, b), f"step {t}: triton {name} {b.tolist()} != {a.tolist()}")
             check(np.array_equal(cache.shard_mapping_np, twin.shard_mapping_np), f"step {t}: shard_mapping_np")
         oracle.draft(step.slots)
-        owners, _ = cache.owners_of(batch.slots_np)
+        owners = cache.owners_of(batch.slots_np)
         positions = np.arange(len(step.slots))
         check(np.array_equal(owners, positions % tp), f"step {t}: drafted owners {owners.tolist()}")
         rows = cache.rows_of(batch.slots).cpu().tolist()
