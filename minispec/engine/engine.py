@@ -74,6 +74,14 @@ class Engine:
         self._num_arrived = 0
 
     # ---- requests -------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """ValueError unless a prompt of this many tokens leaves the context room for one generated token."""
+        if num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {num_prompt_tokens} tokens does not fit the model's context "
+                f"({self.config.max_model_len} tokens, including at least one generated)"
+            )
+
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int) -> Request:
         """Queue a request. `seed` drives all its randomness (params.seed if the caller set one)."""
         if req_id in self.requests:
@@ -83,11 +91,7 @@ class Engine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt of {len(prompt_token_ids)} tokens does not fit the model's context "
-                f"({self.config.max_model_len} tokens, including at least one generated)"
-            )
+        self.check_fits(len(prompt_token_ids))
         if self.tp.world_size > 1 and (params.logprobs is not None or params.prompt_logprobs is not None):
             raise ValueError("logprobs and prompt_logprobs need tensor_parallel_size 1 (under TP the logits are "
                              "split over the ranks)")

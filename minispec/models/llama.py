@@ -42,6 +42,15 @@ def sliding_window_of(config) -> int | None:
     return window
 
 
+def check_architecture(model_type: str | None) -> None:
+    """ModelLoadError unless minispec runs this model_type."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"unsupported architecture '{model_type}' (model_type); "
+            f"minispec supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
 def check_tp(config, tp: int, name: str) -> None:
     """ModelLoadError unless tp divides the head counts and the MLP width."""
     sizes = {
@@ -117,11 +126,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         tp_group = tp_group if tp_group is not None else get_tp_group()
         name = name or getattr(config, "_name_or_path", "") or config.model_type
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelLoadError(
-                f"unsupported architecture '{config.model_type}' (model_type); "
-                f"minispec supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        check_architecture(config.model_type)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ModelLoadError(f"unsupported activation '{config.hidden_act}' of {name}; minispec supports: silu")
         check_tp(config, tp_group.world_size, name)

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from minispec.engine.input_batch import InputBatch
-from minispec.spec_decode import draft_logits
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 from minispec.utils import cdiv
 from tests.dist_scripts.leave import leave
@@ -130,11 +129,7 @@ def run_rank(
         check(cache.shard_mapping.cpu().tolist() == cache.shard_mapping_np.tolist(), f"step {t}: device/host owners")
         stale = cache.stale_drafts(batch).cpu()
         if twin is not None:
-            draft_logits.FORCE_TRITON = True
-            try:
-                twin_stale = twin.stale_drafts(batch).cpu()
-            finally:
-                draft_logits.FORCE_TRITON = False
+            twin_stale = twin.stale_drafts(batch, use_triton=True).cpu()
             check(torch.equal(stale, twin_stale), f"step {t}: triton stale {twin_stale.tolist()} != {stale.tolist()}")
         rows = cache.rows_of(batch.slots).cpu().tolist()
         for i, (req_id, slot) in enumerate(zip(step.req_ids, step.slots)):
@@ -153,11 +148,7 @@ def run_rank(
         # Draft step: give rows out by batch position, then write the draft logits.
         cache.assign(batch.slots, batch.slots_np)
         if twin is not None:
-            draft_logits.FORCE_TRITON = True
-            try:
-                twin.assign(batch.slots, batch.slots_np)
-            finally:
-                draft_logits.FORCE_TRITON = False
+            twin.assign(batch.slots, batch.slots_np, use_triton=True)
             for name in ("row_mapping", "inverse_row_mapping", "shard_mapping"):
                 a, b = getattr(cache, name).cpu(), getattr(twin, name).cpu()
                 check(torch.equal(a, b), f"step {t}: triton {name} {b.tolist()} != {a.tolist()}")
