@@ -496,8 +496,7 @@ inline void dense_row_dot(const float* w, int64_t K, const float* x, int64_t ldx
 
 }  // namespace
 
-// Measured on a 2-core Zen 4 (the model's 211 matrices back to back): the AVX-512 tiles match the dequantise
-// + GEMM path at about 256 rows; the AVX2 ones at about 48.
+// Where the tiles stop beating dequantise + one GEMM (docs/experiments.md, "The prefill GEMM").
 #if defined(MS_AVX512)
 const char* const PACKED_ISA = "avx512";
 const int64_t PACKED_MAX_ROWS = 256;
@@ -564,9 +563,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
 }
 
 
-// Rows up to which dense_linear streams the weight itself (measured on this machine: its one pass over a
-// 113 MB matrix from memory beats the GEMM up to 64 rows; on cache-resident layer weights the GEMM wins from
-// about 24 rows).
+// Rows up to which dense_linear streams the weight itself (past them a GEMM wins on cache-resident layer weights).
 constexpr int64_t DENSE_MAX_ROWS = 16;
 
 // x [M, K] float32 @ w [N, K]^T float32 (+ bias) -> [M, N]. A GEMM packs the weight for a few rows

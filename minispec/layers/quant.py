@@ -140,9 +140,8 @@ def linear_ref(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = Non
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T in float32 on CPU: oneDNN's GEMM where torch ships it (on the 2-core Zen 4 it ran a
-    690-token prefill's layers 1.1x faster than F.linear's MKL, which takes no AVX-512 path on AMD CPUs; both
-    accumulate in float32), else F.linear."""
+    """x [M, K] @ w [N, K]^T in float32 on CPU: oneDNN's GEMM where torch ships it (F.linear's MKL takes no
+    AVX-512 path on AMD CPUs; both accumulate in float32; docs/experiments.md, "The prefill GEMM"), else F.linear."""
     if _ONEDNN_LINEAR is not None and x.is_contiguous() and w.is_contiguous():
         return _ONEDNN_LINEAR(x, w, None, "none", [], "")
     return F.linear(x, w)
