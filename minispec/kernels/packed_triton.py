@@ -20,9 +20,9 @@ def _kernel():
     def packed_linear_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_x, stride_w, stride_o,
                              QTYPE: tl.constexpr, SIZE: tl.constexpr, GROUP: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-        """out[m, n] = sum_k x[m, k] * w[n, k], w dequantised; BLOCK_B bytes of each packed row at a time.
-        QTYPE: the GGML type id (kernels/ggml.py: 1 F16, 30 BF16, 2 Q4_0, 3 Q4_1, 8 Q8_0); SIZE its block's
-        bytes, GROUP a block's values."""
+        """out[m, n] = sum_k x[m, k] * w[n, k], w dequantised; BLOCK_B bytes of each packed row at a time."""
+        # QTYPE: the GGML type id (kernels/ggml.py: 1 F16, 30 BF16, 2 Q4_0, 3 Q4_1, 8 Q8_0); SIZE: its block's bytes;
+        # GROUP: a block's values.
         m = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         n_ok = n < N

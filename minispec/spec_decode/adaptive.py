@@ -60,13 +60,10 @@ import numpy as np
 
 
 class KPolicy:
-    """Engine.k_policy: the k of each request about to draft, one step at a time. The hooks are no-ops here, so a
-    policy overrides only what it needs.
+    """Engine.k_policy: each drafting request's k per step; the hooks are no-ops, override what you need."""
 
-    observes_steps: the engine calls observe_step after every step (under TP with rank 0's timings, broadcast
-    first: every rank must choose the same k). Read once per step.
-    """
-
+    # Whether the engine calls observe_step after every step (under TP with rank 0's timings, broadcast first:
+    # every rank must choose the same k). Read once per step.
     observes_steps: bool = False
 
     def __call__(self, reqs: Sequence) -> list[int]:
@@ -74,8 +71,7 @@ class KPolicy:
         raise NotImplementedError
 
     def observe_step(self, batch_size: int, speculative: bool, step_s: float, forward_s: float) -> None:
-        """With observes_steps, after every step: the requests it verified, whether any had or made drafts, its
-        wall seconds and the part of them spent in model forwards."""
+        """With observes_steps, after every step: requests verified, any drafts, wall and forward seconds."""
 
     def free(self, req) -> None:
         """The request finished: forget what is kept of it."""
