@@ -33,6 +33,7 @@ from minispec.spec_decode.costs import measure_costs
 from minispec.tools.config import load_settings
 from minispec.tools.metrics import acceptance_by_position, aggregate, predicted_speedup, tau_from_acceptance
 from minispec.tools.prompts import encode_prompts, load_prompt_set
+from minispec.utils import one_line
 
 NGRAM = "ngram"
 NGRAM_N = (1, 3)  # minispec's n-gram sizes; transformers prompt lookup matches up to the same max
@@ -289,7 +290,7 @@ def llama_cpp_decode(binary: str, gguf: str, threads: int, max_tokens: int) -> t
         runs = json.loads(done.stdout)
         return float(next(r["avg_ts"] for r in runs if r.get("n_gen", 0) > 0)), " ".join(cmd[1:])
     except (OSError, subprocess.SubprocessError, ValueError, StopIteration, KeyError, TypeError) as e:
-        return None, f"llama-bench failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+        return None, f"llama-bench failed: {one_line(e, limit=None)}"
 
 
 def stream_rate(tok_s: float | None, weight_bytes: int | None, batch_size: int, bandwidth_gb_s: float) -> dict:

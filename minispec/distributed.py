@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from minispec.utils import one_line
+
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -26,9 +28,7 @@ class CollectiveError(RuntimeError):
 
 def _collective_failed(op: str, e: BaseException) -> CollectiveError:
     """A CollectiveError describing a backend's exception from collective `op` in one line."""
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    cause = lines[0] if lines else type(e).__name__
-    cause = re.sub(r"^\[[^\]]*\]\s*", "", cause)  # gloo's "[path/to/file.cc:123] " prefix
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", one_line(e, limit=None))  # gloo's "[path/to/file.cc:123] " prefix
     cause = cause.split(". This is typically")[0].rstrip(". ")
     if len(cause) > 200:
         cause = cause[:197] + "..."

@@ -151,10 +151,7 @@ def run(args, parser, prompts: list[str]) -> int:
     try:
         llm = build_llm(args)
         for p in prompts:  # reject bad prompts before any work starts
-            ids = llm.encode(p, args.chat)
-            if len(ids) >= llm.engine.config.max_model_len:
-                raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context "
-                                 f"({llm.engine.config.max_model_len} tokens)")
+            llm.engine.check_fits(len(llm.encode(p, args.chat)))
     except ValueError as e:  # includes ModelLoadError
         parser.error(str(e))
 

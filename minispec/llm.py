@@ -301,7 +301,7 @@ class LLM:
 
         Closing the generator early aborts the requests still running.
         """
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         reqs = []
         try:
@@ -323,9 +323,7 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_chat_template: bool = False,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         bar = None
         if use_tqdm:
@@ -340,6 +338,14 @@ class LLM:
         if bar is not None:
             bar.close()
         return outputs
+
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        """The prompts as a list: a bare string or list of token ids is one prompt."""
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        return [prompts] if prompts and isinstance(prompts[0], int) else prompts
 
     @staticmethod
     def _params_list(sampling_params, n: int) -> list[SamplingParams]:

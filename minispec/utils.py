@@ -6,6 +6,13 @@ from types import SimpleNamespace
 import torch
 
 
+def one_line(e: BaseException, limit: int | None = 300) -> str:
+    """An exception's message as one line: its first non-empty line (its type's name without one), cut to limit."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else type(e).__name__
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
     return -(-a // b)

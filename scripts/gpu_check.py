@@ -109,16 +109,15 @@ def kernel_launches() -> list[tuple]:
     names = {draft_logits: ("_assign_rows_kernel", "_stale_drafts_kernel"),
              rejection_sampler: ("_rejection_sample_kernel",)}
     recorders = {(m, n): _Recorder(getattr(m, n)) for m, ns in names.items() for n in ns}
-    saved = (draft_logits.FORCE_TRITON, draft_logits.get_tp_group)
+    saved = draft_logits.get_tp_group
     try:
         for (m, n), rec in recorders.items():
             setattr(m, n, rec)
-        draft_logits.FORCE_TRITON = True
         draft_logits.get_tp_group = lambda: TPGroup(2, 1)
         cache = draft_logits.DraftLogitsCache(8, 3, 5, dtype=torch.float32, fill=0.0, device="cpu", sharded=True)
         batch = InputBatch.build(["a", "b", "c"], np.array([4, 0, 6], dtype=np.int32), np.array([4, 1, 4]), "cpu")
-        cache.assign(batch.slots, batch.slots_np)
-        cache.stale_drafts(batch)
+        cache.assign(batch.slots, batch.slots_np, use_triton=True)
+        cache.stale_drafts(batch, use_triton=True)
         g = torch.Generator().manual_seed(0)
         logits = torch.randn(6, 50, generator=g)  # [num_logits, V]
         cu = torch.tensor([0, 3, 6])
@@ -131,7 +130,7 @@ def kernel_launches() -> list[tuple]:
     finally:
         for (m, n), rec in recorders.items():
             setattr(m, n, rec.kernel)
-        draft_logits.FORCE_TRITON, draft_logits.get_tp_group = saved
+        draft_logits.get_tp_group = saved
     launches = []
     for rec in recorders.values():
         for args, kwargs in rec.calls:

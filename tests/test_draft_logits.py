@@ -1,7 +1,6 @@
 """DraftLogitsCache: Triton kernels vs torch references, skip/staleness semantics, multi-rank runs."""
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import subprocess
@@ -35,16 +34,6 @@ def _load_script():
     sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
-
-
-@contextlib.contextmanager
-def triton_path(on: bool):
-    old = draft_logits.FORCE_TRITON
-    draft_logits.FORCE_TRITON = on
-    try:
-        yield
-    finally:
-        draft_logits.FORCE_TRITON = old
 
 
 @pytest.fixture
@@ -107,12 +96,10 @@ def test_kernels_match_torch(fake_tp, tp, device):
             batch = build(slots.tolist(), num_logits)
             tri_batch = build(slots.tolist(), num_logits, device)
             want = ref.stale_drafts(batch)
-            with triton_path(True):
-                got = tri.stale_drafts(tri_batch).cpu()
+            got = tri.stale_drafts(tri_batch, use_triton=True).cpu()
             assert got.dtype == torch.bool and torch.equal(got, want), (got, want)
             ref.assign(batch.slots, batch.slots_np)
-            with triton_path(True):
-                tri.assign(tri_batch.slots, tri_batch.slots_np)
+            tri.assign(tri_batch.slots, tri_batch.slots_np, use_triton=True)
             for name in ("row_mapping", "inverse_row_mapping", "shard_mapping"):
                 assert torch.equal(getattr(ref, name), getattr(tri, name).cpu()), name
             assert np.array_equal(ref.shard_mapping_np, tri.shard_mapping_np)
@@ -161,37 +148,33 @@ def test_skip_scenario_tp1(fake_tp, use_triton):
     num_steps = 2
     sharded = make_cache(max_num_reqs=8, num_steps=num_steps)
     replicated = make_cache(max_num_reqs=8, num_steps=num_steps, sharded=False)
-    with triton_path(use_triton):
-        step1 = build([A, B], [1, 1])  # prefill: nothing to verify
-        sharded.assign(step1.slots, step1.slots_np)  # A row 0, B row 1
-        assert sharded.rows_of(torch.tensor([A, B])).tolist() == [0, 1]
+    step1 = build([A, B], [1, 1])  # prefill: nothing to verify
+    sharded.assign(step1.slots, step1.slots_np, use_triton)  # A row 0, B row 1
+    assert sharded.rows_of(torch.tensor([A, B])).tolist() == [0, 1]
 
-        step2 = build([B], [num_steps + 1])  # A skipped; B at position 0 takes A's row 0
-        assert sharded.stale_drafts(step2).tolist() == [False] * (num_steps + 1)
-        sharded.assign(step2.slots, step2.slots_np)
-        assert sharded.rows_of(torch.tensor([A, B])).tolist() == [0, 0]
+    step2 = build([B], [num_steps + 1])  # A skipped; B at position 0 takes A's row 0
+    assert sharded.stale_drafts(step2, use_triton).tolist() == [False] * (num_steps + 1)
+    sharded.assign(step2.slots, step2.slots_np, use_triton)
+    assert sharded.rows_of(torch.tensor([A, B])).tolist() == [0, 0]
 
-        step3 = build([A, B], [num_steps + 1, num_steps + 1])
-        stale = sharded.stale_drafts(step3)
-        # A's drafts (step 1) were overwritten by B's; the bonus row (local pos num_steps) reads none.
-        assert stale.tolist() == [True, True, False, False, False, False]
-        owners, table = sharded.owners_of(step3.slots_np)
-        assert owners.tolist() == [0, 0] and table is sharded.shard_mapping
+    step3 = build([A, B], [num_steps + 1, num_steps + 1])
+    stale = sharded.stale_drafts(step3, use_triton)
+    # A's drafts (step 1) were overwritten by B's; the bonus row (local pos num_steps) reads none.
+    assert stale.tolist() == [True, True, False, False, False, False]
+    assert sharded.owners_of(step3.slots_np).tolist() == [0, 0]
 
     # Replicated: rows are slots, never reused, never stale; assign is a no-op.
     replicated.assign(step1.slots, step1.slots_np)
     assert replicated.row_mapping is None and replicated.stale_drafts(step3) is None
     assert replicated.rows_of(torch.tensor([A, B])).tolist() == [A, B]
-    owners, table = replicated.owners_of(step3.slots_np)
-    assert owners.tolist() == [0, 0] and table is None
+    assert replicated.owners_of(step3.slots_np).tolist() == [0, 0]
     assert replicated.values.shape == (8, num_steps, 3)
 
 
 def test_replicated_owners_round_robin(fake_tp):
     fake_tp(3, 2)
     cache = make_cache(max_num_reqs=8, sharded=False)
-    owners, table = cache.owners_of(np.array([7, 1, 4, 0, 2], dtype=np.int32))
-    assert owners.tolist() == [0, 1, 2, 0, 1] and table is None
+    assert cache.owners_of(np.array([7, 1, 4, 0, 2], dtype=np.int32)).tolist() == [0, 1, 2, 0, 1]
     assert cache.stale_drafts(build([7], [2])) is None
 
 
@@ -201,9 +184,8 @@ def test_empty_batch(fake_tp, device):
     for on in (False, True):
         cache = make_cache(device=device)
         batch = build([], [], device)
-        with triton_path(on):
-            cache.assign(batch.slots, batch.slots_np)
-            stale = cache.stale_drafts(batch)
+        cache.assign(batch.slots, batch.slots_np, use_triton=on)
+        stale = cache.stale_drafts(batch, use_triton=on)
         assert stale.shape == (0,) and stale.dtype == torch.bool
         assert cache.inverse_row_mapping.tolist() == [-1] * 4
 

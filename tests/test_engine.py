@@ -198,6 +198,15 @@ def test_abort_frees_slot(target_dir, draft_dir):
     assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
 
 
+def test_a_bare_prompt_is_one_prompt(target_dir):
+    """generate() and stream() both take a bare token-id list (or string) as one prompt, not a prompt per item."""
+    llm = LLM(target=target_dir, max_num_seqs=2)
+    want = llm.generate([PROMPTS[0]], GREEDY)[0].token_ids
+    assert [o.token_ids for o in llm.generate(PROMPTS[0], GREEDY)] == [want]
+    streamed = [(i, done) for i, _, done in llm.stream(PROMPTS[0], GREEDY)]
+    assert {i for i, _ in streamed} == {0} and streamed[-1][1].token_ids == want
+
+
 def test_stop_tokens_and_max_tokens(target_dir):
     llm = LLM(target=target_dir, max_num_seqs=2)
     free = llm.generate([PROMPTS[0]], GREEDY)[0].token_ids

@@ -9,17 +9,18 @@ ROOT = Path(__file__).resolve().parent.parent / "minispec"
 # Each top-level module or package of minispec and its layer: a module may import only from lower layers
 # (or from its own package). spec_decode sits below engine, runner below both, the tools above the facade.
 LAYERS = {
-    "utils": 0, "sampling_params": 0, "distributed": 0, "data": 0,
-    "kernels": 1,
-    "sample": 2, "layers": 2,
-    "models": 3,
-    "runner": 4,
-    "spec_decode": 5,
-    "engine": 6,
-    "llm": 7,
-    "__init__": 8, "tools": 8,
-    "generate": 9,
-    "serve": 10, "bench": 10, "playground": 10, "distill": 10,
+    "utils": 0,
+    "sampling_params": 1, "distributed": 1, "data": 1,
+    "kernels": 2,
+    "sample": 3, "layers": 3,
+    "models": 4,
+    "runner": 5,
+    "spec_decode": 6,
+    "engine": 7,
+    "llm": 8,
+    "__init__": 9, "tools": 9,
+    "generate": 10,
+    "serve": 11, "bench": 11, "playground": 11, "distill": 11,
 }
 
 

@@ -5,10 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
-from gguf import quants
+from gguf import GGML_QUANT_SIZES, quants
 
 from minispec.kernels import build_cpp
 from minispec.kernels.cpu import CFLAGS, SOURCES, ops
+from minispec.kernels.ggml import PACKED_TYPES
 from minispec.layers.quant import PackedWeight, dequantize_ref, linear, linear_ref
 
 TYPES = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0, "F16": T.F16, "BF16": T.BF16}
@@ -132,6 +133,14 @@ def test_cpp_kernel_built():
     """The C++ op builds on this machine (gcc and Python headers are present in CI)."""
     assert ops() is not None
     assert ops().PACKED_ISA in ("avx512", "avx2", "portable")
+
+
+def test_one_block_table():
+    """kernels/ggml.py's formats are gguf's (names, values and bytes per block) and the C++ kernels' own table."""
+    assert {t: (f.name, f.block_values, f.block_bytes) for t, f in PACKED_TYPES.items()} == \
+        {int(t): (T(t).name, *GGML_QUANT_SIZES[T(t)]) for t in PACKED_TYPES}
+    assert {t: (b, v) for t, b, v in ops().block_formats()} == \
+        {t: (f.block_bytes, f.block_values) for t, f in PACKED_TYPES.items()}
 
 
 @pytest.mark.parametrize("isa,flags", [("avx2", ["-mno-avx512f"]), ("portable", ["-mno-avx512f", "-mno-avx2", "-mno-fma"])])

@@ -15,6 +15,7 @@ from minispec.engine.verify import Verdict, Verifier
 from minispec.runner.model_runner import ModelRunner
 from minispec.sample.random import RequestRandom
 from minispec.sampling_params import SamplingParams
+from minispec.spec_decode.adaptive import KPolicy, as_k_policy
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 from minispec.spec_decode.proposer import Proposer
 
@@ -44,10 +45,6 @@ class Engine:
                  eos_token_ids: set[int], vocab_size: int, k_policy=None, observer: Observer | None = None):
         self.tp = get_tp_group()
         self.target = target
-        # Optional speculation length: k_policy(reqs) -> each request's k in [0, proposer.k]; a policy with an
-        # observe_step(batch_size, speculative, step_s, forward_s) method also gets every step's timing, one
-        # with a free(req) method hears of every finished request.
-        self.k_policy = k_policy
         self.observer = observer if observer is not None else Observer()  # instrumentation (engine/observer.py)
         self.proposer = proposer
         self.config = config
@@ -55,6 +52,7 @@ class Engine:
         self.vocab_size = vocab_size
         self.device = target.device
         self.k = proposer.k if proposer is not None else 0
+        self.k_policy = k_policy
         if config.max_num_batched_tokens < self.k + 1:
             raise ValueError(
                 f"max_num_batched_tokens={config.max_num_batched_tokens} cannot fit one decode of "
@@ -75,6 +73,14 @@ class Engine:
         self._num_arrived = 0
 
     # ---- requests -------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """ValueError unless a prompt of this many tokens leaves the context room for one generated token."""
+        if num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {num_prompt_tokens} tokens does not fit the model's context "
+                f"({self.config.max_model_len} tokens, including at least one generated)"
+            )
+
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int) -> Request:
         """Queue a request. `seed` drives all its randomness (params.seed if the caller set one)."""
         if req_id in self.requests:
@@ -84,11 +90,7 @@ class Engine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt of {len(prompt_token_ids)} tokens does not fit the model's context "
-                f"({self.config.max_model_len} tokens, including at least one generated)"
-            )
+        self.check_fits(len(prompt_token_ids))
         if self.tp.world_size > 1 and (params.logprobs is not None or params.prompt_logprobs is not None):
             raise ValueError("logprobs and prompt_logprobs need tensor_parallel_size 1 (under TP the logits are "
                              "split over the ranks)")
@@ -106,6 +108,16 @@ class Engine:
         if req is not None and not req.finished:
             self._finish(req, "abort")
 
+    @property
+    def k_policy(self) -> KPolicy:
+        """Each drafting request's k in [0, proposer.k] (spec_decode/adaptive.py KPolicy)."""
+        return self._k_policy
+
+    @k_policy.setter
+    def k_policy(self, policy) -> None:
+        """A KPolicy, a plain function reqs -> ks, or None: every request drafts proposer.k."""
+        self._k_policy = as_k_policy(policy, self.k)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -115,8 +127,7 @@ class Engine:
         req.drafts = None
         if self.proposer is not None:
             self.proposer.free(req)
-        if hasattr(self.k_policy, "free"):
-            self.k_policy.free(req)
+        self.k_policy.free(req)
         self.scheduler.free(req)
         del self.requests[req.req_id]
 
@@ -135,7 +146,7 @@ class Engine:
         ks = self._draft(to_draft) if to_draft else []
         speculative |= any(ks)
         times = [time.perf_counter() - t0, self._forward_s() - forward_s0]
-        if hasattr(self.k_policy, "observe_step"):
+        if self.k_policy.observes_steps:
             if self.tp.world_size > 1:  # every rank must choose the same k: rank 0's timings
                 times = self.tp.broadcast(torch.tensor(times, dtype=torch.float64, device=self.device)).tolist()
             self.k_policy.observe_step(len(verified), speculative, *times)
@@ -205,7 +216,7 @@ class Engine:
 
     def _draft(self, reqs: list[Request]) -> list[int]:
         """Give out draft-logits rows by batch position, then draft each request's k tokens; returns each k."""
-        asked = list(self.k_policy(reqs)) if self.k_policy is not None else [self.k] * len(reqs)
+        asked = list(self.k_policy(reqs))
         reqs = [r for r, k in zip(reqs, asked) if k > 0]
         ks = [k for k in asked if k > 0]
         if not reqs:

@@ -10,6 +10,9 @@ from minispec.sample.random import RequestRandom
 from minispec.sampling_params import SamplingParams
 
 TokenLogprobs = tuple[float, list[tuple[int, float]]]  # a token's logprob, the top (id, logprob) pairs
+# RequestMetrics' speculation counters, the ones summed over requests (tools/metrics.py, serve's updates)
+COUNTERS = ("num_spec_verifications", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
+            "num_stale_drafts")
 
 
 @dataclass(slots=True)
@@ -36,15 +39,14 @@ class RequestMetrics:
         """Accepted / drafted tokens (not the i.i.d. alpha: see tools/metrics.py)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
+    def counters(self) -> dict:
+        """The speculation counters (COUNTERS) and accepted_per_position (a copy)."""
+        return {**{c: getattr(self, c) for c in COUNTERS}, "accepted_per_position": list(self.accepted_per_position)}
+
     def as_dict(self, num_generated: int) -> dict:
         elapsed = (self.finish_time or time.perf_counter()) - self.arrival_time
         return {
-            "num_spec_verifications": self.num_spec_verifications,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "num_emitted_tokens": self.num_emitted_tokens,
-            "num_stale_drafts": self.num_stale_drafts,
-            "accepted_per_position": list(self.accepted_per_position),
+            **self.counters(),
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "time_to_first_token_s": (self.first_token_time - self.arrival_time) if self.first_token_time else None,

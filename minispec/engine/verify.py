@@ -193,7 +193,7 @@ class Verifier:
     def _owners(self, slots: np.ndarray) -> np.ndarray:
         """The TP rank that verifies each request (the rank that caches its draft logits)."""
         if self.draft_logits is not None:
-            return self.draft_logits.owners_of(slots)[0]
+            return self.draft_logits.owners_of(slots)
         return shard_owners(len(slots), self.tp.world_size)
 
 

@@ -10,6 +10,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from minispec.utils import one_line
+
 
 def _cpu_identity() -> bytes:
     """The CPU's model and feature flags: a -march=native build is only reused on the same kind of CPU."""
@@ -52,7 +54,6 @@ def build_cpp(name: str, sources: list[Path], cflags: list[str], what: str):
                     extra_cflags=cflags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        warnings.warn(f"minispec: {what} could not be built ({reason[:200]}); using the slower pure-torch path",
+        warnings.warn(f"minispec: {what} could not be built ({one_line(e, limit=None)[:200]}); using the slower pure-torch path",
                       RuntimeWarning, stacklevel=3)
         return None

@@ -8,12 +8,12 @@
 
 namespace {
 
-// x [T, K] @ weight i ^T (+ bias i), as layers/quant.py's linear computes it: qtype 0 = a dense
+// x [T, K] @ weight i ^T (+ bias i), as layers/quant.py's linear computes it: qtype F32 = a dense
 // float32 [N, K] weight (dense_linear), else GGUF-packed rows; then the bias.
 torch::Tensor layer_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                            const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases, size_t i) {
   const bool has_bias = biases[i].numel() > 0;
-  if (qtypes[i] == 0) return dense_linear(x, weights[i], has_bias ? c10::optional<torch::Tensor>(biases[i]) : c10::nullopt);
+  if (qtypes[i] == F32) return dense_linear(x, weights[i], has_bias ? c10::optional<torch::Tensor>(biases[i]) : c10::nullopt);
   torch::Tensor y = packed_linear(x, weights[i], qtypes[i], x.size(1));
   return has_bias ? y.add_(biases[i]) : y;
 }
@@ -71,6 +71,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PACKED_MAX_ROWS") = PACKED_MAX_ROWS;
   m.def("packed_linear", &packed_linear, "x [M, K] f32 @ packed w [N, K]^T -> [M, N] f32");
   m.def("dense_linear", &dense_linear, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), "x [M, K] f32 @ w [N, K]^T f32 (+ bias) -> [M, N] f32 (each weight row read once for up to 16 rows)");
+  m.def("block_formats", &block_formats, "[[GGML type id, bytes per block, values per block], ...]");
   m.def("packed_dequantize", &packed_dequantize, "packed w [N, K] -> f32 [N, K]");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) (or RMSNorm(x) without a residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [.., gate | up]");

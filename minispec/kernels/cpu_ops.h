@@ -4,6 +4,24 @@
 #pragma once
 #include <torch/extension.h>
 
+// GGML type ids (ggml.h) and the packed formats' blocks: the C++ twin of kernels/ggml.py's table
+// (tests/test_quant.py checks them equal). F32 also names a dense float32 weight (decode_layers' qtypes).
+constexpr int64_t F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30;
+constexpr int64_t GROUP = 32;  // values per block of the quantised formats
+struct BlockFormat {
+  int64_t type, bytes, values;  // a block's bytes and the values it holds (F16 / BF16: one value)
+};
+constexpr BlockFormat BLOCK_FORMATS[] = {
+    {Q4_0, 18, GROUP}, {Q4_1, 20, GROUP}, {Q8_0, 34, GROUP}, {F16, 2, 1}, {BF16, 2, 1}};
+// qtype's format; {-1, 0, 0} where it is not a packed one.
+constexpr BlockFormat block_format(int64_t qtype) {
+  for (const BlockFormat& f : BLOCK_FORMATS)
+    if (f.type == qtype) return f;
+  return {-1, 0, 0};
+}
+// [[type id, bytes per block, values per block], ...]: BLOCK_FORMATS for Python.
+std::vector<std::vector<int64_t>> block_formats();
+
 // The packed kernels' instruction set ("avx512", "avx2" or "portable") and the activation rows up to which
 // packed_linear beats dequantising the weight for one float32 GEMM (layers/quant.py reads both).
 extern const char* const PACKED_ISA;

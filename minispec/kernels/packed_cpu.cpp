@@ -24,12 +24,9 @@
 
 namespace {
 
-// GGML type ids (ggml.h).
-constexpr int64_t F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30;
-constexpr int64_t GROUP = 32;
 // Bytes per block of a block type (the SIMD paths' template argument).
 template <int64_t QT>
-constexpr int64_t GB = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
+constexpr int64_t GB = block_format(QT).bytes;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -56,20 +53,11 @@ inline float bf16_to_float(const uint8_t* p) {
   uint32_t bits = (uint32_t)h << 16; float f; std::memcpy(&f, &bits, 4); return f;
 }
 
-int64_t group_bytes(int64_t qtype) {
-  switch (qtype) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q8_0: return 34;
-    case F16: case BF16: return 64;
-    default: TORCH_CHECK(false, "packed kernel: unsupported GGML type id ", qtype);
-  }
-}
-
 // Row bytes of K values: F16/BF16 rows hold exactly K values, block types whole groups.
 int64_t row_bytes(int64_t qtype, int64_t K) {
-  if (qtype == F16 || qtype == BF16) return 2 * K;
-  return (K / GROUP) * group_bytes(qtype);
+  const BlockFormat f = block_format(qtype);
+  TORCH_CHECK(f.type != -1, "packed kernel: unsupported GGML type id ", qtype);
+  return K / f.values * f.bytes;
 }
 
 // Unpack one row: w[G * 32] codes (zero past K), d[G], m[G] (zero unless Q4_1).
@@ -77,7 +65,7 @@ void unpack_row(int64_t qtype, const uint8_t* row, int64_t K, float* w, float* d
   const int64_t G = (K + GROUP - 1) / GROUP;
   switch (qtype) {
     case Q4_0: case Q4_1: {
-      const int64_t gb = group_bytes(qtype), off = qtype == Q4_1 ? 4 : 2;
+      const int64_t gb = block_format(qtype).bytes, off = qtype == Q4_1 ? 4 : 2;
       const float shift = qtype == Q4_0 ? -8.0f : 0.0f;
       for (int64_t g = 0; g < G; g++) {
         const uint8_t* b = row + g * gb;
@@ -94,7 +82,7 @@ void unpack_row(int64_t qtype, const uint8_t* row, int64_t K, float* w, float* d
     }
     case Q8_0: {
       for (int64_t g = 0; g < G; g++) {
-        const uint8_t* b = row + g * 34;
+        const uint8_t* b = row + g * GB<Q8_0>;
         d[g] = half_to_float(b);
         m[g] = 0.0f;
         const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
@@ -508,8 +496,7 @@ inline void dense_row_dot(const float* w, int64_t K, const float* x, int64_t ldx
 
 }  // namespace
 
-// Measured on a 2-core Zen 4 (the model's 211 matrices back to back): the AVX-512 tiles match the dequantise
-// + GEMM path at about 256 rows; the AVX2 ones at about 48.
+// Where the tiles stop beating dequantise + one GEMM (docs/experiments.md, "The prefill GEMM").
 #if defined(MS_AVX512)
 const char* const PACKED_ISA = "avx512";
 const int64_t PACKED_MAX_ROWS = 256;
@@ -520,6 +507,12 @@ const int64_t PACKED_MAX_ROWS = 48;
 const char* const PACKED_ISA = "portable";
 const int64_t PACKED_MAX_ROWS = 48;
 #endif
+
+std::vector<std::vector<int64_t>> block_formats() {
+  std::vector<std::vector<int64_t>> out;
+  for (const BlockFormat& f : BLOCK_FORMATS) out.push_back({f.type, f.bytes, f.values});
+  return out;
+}
 
 // x [M, K] float32, w [N, row_bytes] uint8 -> [M, N] float32.
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K) {
@@ -570,9 +563,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
 }
 
 
-// Rows up to which dense_linear streams the weight itself (measured on this machine: its one pass over a
-// 113 MB matrix from memory beats the GEMM up to 64 rows; on cache-resident layer weights the GEMM wins from
-// about 24 rows).
+// Rows up to which dense_linear streams the weight itself (past them a GEMM wins on cache-resident layer weights).
 constexpr int64_t DENSE_MAX_ROWS = 16;
 
 // x [M, K] float32 @ w [N, K]^T float32 (+ bias) -> [M, N]. A GEMM packs the weight for a few rows

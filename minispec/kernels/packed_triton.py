@@ -7,9 +7,8 @@ import functools
 
 import torch
 
+from minispec.kernels.ggml import BF16, F16, GROUP, PACKED_TYPES
 from minispec.utils import cdiv
-
-GROUP = 32
 
 
 @functools.cache
@@ -19,8 +18,11 @@ def _kernel():
 
     @triton.jit
     def packed_linear_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_x, stride_w, stride_o,
-                             QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                             QTYPE: tl.constexpr, SIZE: tl.constexpr, GROUP: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
         """out[m, n] = sum_k x[m, k] * w[n, k], w dequantised; BLOCK_B bytes of each packed row at a time."""
+        # QTYPE: the GGML type id (kernels/ggml.py: 1 F16, 30 BF16, 2 Q4_0, 3 Q4_1, 8 Q8_0); SIZE: its block's bytes;
+        # GROUP: a block's values.
         m = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         n_ok = n < N
@@ -38,11 +40,10 @@ def _kernel():
                 x = tl.load(x_ptr + m * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
                 acc += tl.sum(w * x[None, :], axis=1)
         else:
-            # A block of 32 values: Q4_0 [d][16 nibble bytes], Q4_1 [d][m][16 bytes], Q8_0 [d][32 int8].
-            QBYTES: tl.constexpr = 32 if QTYPE == 8 else 16
-            HEAD: tl.constexpr = 4 if QTYPE == 3 else 2
-            SIZE: tl.constexpr = HEAD + QBYTES
-            G = K // 32
+            # A block of GROUP values: Q4_0 [d][16 nibble bytes], Q4_1 [d][m][16 bytes], Q8_0 [d][32 int8].
+            QBYTES: tl.constexpr = GROUP if QTYPE == 8 else GROUP // 2
+            HEAD: tl.constexpr = SIZE - QBYTES
+            G = K // GROUP
             for j0 in range(0, G * QBYTES, BLOCK_B):
                 j = j0 + c  # code byte index within the row, over all blocks
                 g = j // QBYTES
@@ -53,7 +54,7 @@ def _kernel():
                 d1 = tl.load(row + 1, mask=ok, other=0).to(tl.uint16)
                 d = (d0 | (d1 << 8)).to(tl.float16, bitcast=True).to(tl.float32)
                 q = tl.load(row + HEAD + b[None, :], mask=ok, other=0)
-                xk = m * stride_x + g * 32 + b
+                xk = m * stride_x + g * GROUP + b
                 if QTYPE == 8:
                     w = d * q.to(tl.int8, bitcast=True).to(tl.float32)
                     x = tl.load(x_ptr + xk, mask=j < G * QBYTES, other=0.0).to(tl.float32)
@@ -71,7 +72,7 @@ def _kernel():
                         w_lo = d * lo + mn
                         w_hi = d * hi + mn
                     x_lo = tl.load(x_ptr + xk, mask=j < G * QBYTES, other=0.0).to(tl.float32)
-                    x_hi = tl.load(x_ptr + xk + 16, mask=j < G * QBYTES, other=0.0).to(tl.float32)
+                    x_hi = tl.load(x_ptr + xk + GROUP // 2, mask=j < G * QBYTES, other=0.0).to(tl.float32)
                     acc += tl.sum(w_lo * x_lo[None, :] + w_hi * x_hi[None, :], axis=1)
         tl.store(out_ptr + m * stride_o + n, acc, mask=n_ok)
 
@@ -82,11 +83,11 @@ def packed_linear_triton(x: torch.Tensor, data: torch.Tensor, qtype: int, k: int
                          block_n: int = 32, block_b: int = 128) -> torch.Tensor:
     """x [M, K] (any float dtype) @ packed rows data [N, row_bytes]^T -> float32 [M, N]."""
     x = x.contiguous()
-    if qtype in (1, 30):
+    if qtype in (F16, BF16):
         data = data.view(torch.int16)  # one F16 / BF16 value per element
     M, N = x.shape[0], data.shape[0]
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
     grid = (M, cdiv(N, block_n))
     _kernel()[grid](x, data, out, N, k, x.stride(0), data.stride(0), out.stride(0),
-                    QTYPE=qtype, BLOCK_N=block_n, BLOCK_B=block_b)
+                    QTYPE=qtype, SIZE=PACKED_TYPES[qtype].block_bytes, GROUP=GROUP, BLOCK_N=block_n, BLOCK_B=block_b)
     return out

@@ -63,8 +63,8 @@ def causal_mask(positions: torch.Tensor, max_ctx: int, groups: int = 1) -> torch
 
 
 # Forwards of up to this many tokens (B * L) take the fused C++ kernel on CPU (and decode_layers):
-# decode up to batch 16 and small verifications. Measured (SmolLM2, context 200, 2 threads): 16 x 1
-# tokens 87 ms a step against 134 ms with SDPA; even at 32 tokens; SDPA ahead at 80.
+# decode up to batch 16 and small verifications; longer ones take SDPA's blocked matmuls
+# (docs/decode-step-profile.md).
 FUSED_MAX_TOKENS = 16
 
 
@@ -129,7 +129,7 @@ def attend(
     if batch.first_slot >= 0:  # consecutive slots in order: read them in place
         keys = keys[batch.first_slot : batch.first_slot + B]  # [B, max_ctx, n_kv_heads, head_dim]
         values = values[batch.first_slot : batch.first_slot + B]
-    else:  # index_select copies only the max_ctx rows of each slot (2-3x faster than advanced indexing on CPU)
+    else:  # index_select copies only the max_ctx rows of each slot
         keys = keys.index_select(0, batch.read_slots)  # [B, max_ctx, n_kv_heads, head_dim]
         values = values.index_select(0, batch.read_slots)
     # Grouped-query attention without repeating K/V: the g query heads of a KV head become g * L queries.

@@ -1,6 +1,6 @@
 """Packed weights as GGUF ships them, and exact float32 math on them.
 
-A ``PackedWeight`` holds a [N, K] weight as N rows of bytes in one GGML format: blocks of 32
+A ``PackedWeight`` holds a [N, K] weight as N rows of bytes in one GGML format (kernels/ggml.py): blocks of 32
 values (Q4_0, Q4_1, Q8_0: a float16 scale d, for Q4_1 a float16 minimum m, and 32 codes q) or plain
 F16 / BF16 values. The value of code q is d * (q - 8) (Q4_0), d * q + m (Q4_1) or d * q (Q8_0).
 
@@ -21,33 +21,21 @@ import torch
 import torch.nn.functional as F
 
 from minispec.kernels.cpu import applies
+from minispec.kernels.ggml import BF16, BLOCK_TYPES, F16, F32, GROUP, PACKED_TYPES, Q4_0, Q4_1, Q8_0
 
-GROUP = 32  # values per quantisation block
-
-# GGML type id -> (name, bytes per block of GROUP values or, for F16/BF16, per value)
-PACKED_TYPES: dict[int, tuple[str, int]] = {
-    2: ("Q4_0", 18),
-    3: ("Q4_1", 20),
-    8: ("Q8_0", 34),
-    1: ("F16", 2),
-    30: ("BF16", 2),
-}
-F32 = 0
-BLOCK_TYPES = (2, 3, 8)  # the quantised ones: rows are whole blocks
-Q4_1, Q8_0 = 3, 8
 # Weight-only quantisation of a float checkpoint: name -> (linear layers' type, embedding / LM head type). The
 # embedding stays 8-bit under int4, as llama.cpp's Q4_1 files keep it (it is also the tied LM head).
 QUANTIZATIONS: dict[str, tuple[int, int]] = {"int8": (Q8_0, Q8_0), "int4": (Q4_1, Q8_0)}
 
 
 def type_name(qtype: int) -> str:
-    return "F32" if qtype == F32 else PACKED_TYPES[qtype][0]
+    return "F32" if qtype == F32 else PACKED_TYPES[qtype].name
 
 
 def row_bytes(qtype: int, k: int) -> int:
     """Bytes of one packed row of k values."""
-    _, size = PACKED_TYPES[qtype]
-    return (k // GROUP) * size if qtype in BLOCK_TYPES else k * size
+    fmt = PACKED_TYPES[qtype]
+    return k // fmt.block_values * fmt.block_bytes
 
 
 @dataclass(slots=True)
@@ -59,7 +47,7 @@ class PackedWeight:
     in_features: int
 
     def __post_init__(self):
-        name = PACKED_TYPES[self.qtype][0]
+        name = PACKED_TYPES[self.qtype].name
         if self.qtype in BLOCK_TYPES and self.in_features % GROUP:
             raise ValueError(f"{name} rows hold whole blocks of {GROUP}; got {self.in_features} values per row")
         if self.data.dtype != torch.uint8 or self.data.dim() != 2 or \
@@ -81,14 +69,11 @@ class PackedWeight:
 
     def cols(self, start: int, k: int) -> PackedWeight:
         """Columns [start, start + k) of every row (a copy); a block format needs start and k on block bounds."""
-        if self.qtype in BLOCK_TYPES:
-            if start % GROUP or k % GROUP:
-                raise ValueError(f"a {PACKED_TYPES[self.qtype][0]} weight splits its columns on blocks of {GROUP}; "
-                                 f"columns [{start}, {start + k}) are not block-aligned")
-            size = PACKED_TYPES[self.qtype][1]
-            a, b = start // GROUP * size, (start + k) // GROUP * size
-        else:
-            a, b = start * 2, (start + k) * 2
+        fmt = PACKED_TYPES[self.qtype]
+        if start % fmt.block_values or k % fmt.block_values:
+            raise ValueError(f"a {fmt.name} weight splits its columns on blocks of {fmt.block_values}; "
+                             f"columns [{start}, {start + k}) are not block-aligned")
+        a, b = row_bytes(self.qtype, start), row_bytes(self.qtype, start + k)
         return PackedWeight(self.data[:, a:b].contiguous(), self.qtype, k)
 
     def permute_rows(self, fn) -> PackedWeight:
@@ -108,18 +93,18 @@ class PackedWeight:
 def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """Pure-torch dequantisation of packed rows data [N, row_bytes] -> float32 [N, k]."""
     n = data.shape[0]
-    if qtype == 1:
+    if qtype == F16:
         return data.contiguous().view(torch.float16).float().view(n, k)
-    if qtype == 30:
+    if qtype == BF16:
         return data.contiguous().view(torch.bfloat16).float().view(n, k)
-    blocks = data.reshape(n, k // GROUP, PACKED_TYPES[qtype][1])  # [N, G, block bytes]
+    blocks = data.reshape(n, k // GROUP, PACKED_TYPES[qtype].block_bytes)  # [N, G, block bytes]
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, G, 1]
-    if qtype == 8:
+    if qtype == Q8_0:
         q = blocks[..., 2:].contiguous().view(torch.int8).float()  # [N, G, 32]
         return (d * q).view(n, k)
     qs = blocks[..., -16:]  # [N, G, 16]: value j in the low nibble of byte j, value j + 16 in the high one
     q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [N, G, 32]
-    if qtype == 2:
+    if qtype == Q4_0:
         return (d * (q - 8)).view(n, k)
     m = blocks[..., 2:4].contiguous().view(torch.float16).float()  # [N, G, 1]
     return (d * q + m).view(n, k)
@@ -155,9 +140,8 @@ def linear_ref(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = Non
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T in float32 on CPU: oneDNN's GEMM where torch ships it (on the 2-core Zen 4 it ran a
-    690-token prefill's layers 1.1x faster than F.linear's MKL, which takes no AVX-512 path on AMD CPUs; both
-    accumulate in float32), else F.linear."""
+    """x [M, K] @ w [N, K]^T in float32 on CPU: oneDNN's GEMM where torch ships it (F.linear's MKL takes no
+    AVX-512 path on AMD CPUs; both accumulate in float32; docs/experiments.md, "The prefill GEMM"), else F.linear."""
     if _ONEDNN_LINEAR is not None and x.is_contiguous() and w.is_contiguous():
         return _ONEDNN_LINEAR(x, w, None, "none", [], "")
     return F.linear(x, w)

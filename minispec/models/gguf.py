@@ -22,10 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minispec.layers.quant import F32, PACKED_TYPES, PackedWeight
+from minispec.kernels.ggml import F32, PACKED_TYPES
+from minispec.layers.quant import PackedWeight
 from minispec.models.errors import ModelLoadError
 
-SUPPORTED_TYPES = ", ".join(["F32", *(name for name, _ in PACKED_TYPES.values())])
+SUPPORTED_TYPES = ", ".join(["F32", *(fmt.name for fmt in PACKED_TYPES.values())])
 PERMUTED_QK_ARCHS = ("llama",)  # GGUF architectures whose q/k rows the converter interleaved
 
 # value type id -> struct format of a scalar (gguf.GGUFValueType: 8 = string, 9 = array)

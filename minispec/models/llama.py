@@ -18,6 +18,7 @@ from torch import nn
 
 from minispec.distributed import TPGroup, get_tp_group
 from minispec.kernels import cpu
+from minispec.kernels.ggml import F32
 from minispec.layers.activation import silu_mul
 from minispec.layers.attention import AttentionMetadata, ForwardBatch, attention
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -39,6 +40,15 @@ def sliding_window_of(config) -> int | None:
     if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
         return None
     return window
+
+
+def check_architecture(model_type: str | None) -> None:
+    """ModelLoadError unless minispec runs this model_type."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"unsupported architecture '{model_type}' (model_type); "
+            f"minispec supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
 
 
 def check_tp(config, tp: int, name: str) -> None:
@@ -116,11 +126,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         tp_group = tp_group if tp_group is not None else get_tp_group()
         name = name or getattr(config, "_name_or_path", "") or config.model_type
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelLoadError(
-                f"unsupported architecture '{config.model_type}' (model_type); "
-                f"minispec supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        check_architecture(config.model_type)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ModelLoadError(f"unsupported activation '{config.hidden_act}' of {name}; minispec supports: silu")
         check_tp(config, tp_group.world_size, name)
@@ -203,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
                                                                        layer.post_attention_layernorm)]
                 self._cpu_layers = (
                     [m.weight.data if isinstance(m.weight, PackedWeight) else m.weight for m in linears],
-                    [m.weight.qtype if isinstance(m.weight, PackedWeight) else 0 for m in linears],
+                    [m.weight.qtype if isinstance(m.weight, PackedWeight) else F32 for m in linears],  # F32: dense
                     [m.bias if m.bias is not None else torch.empty(0) for m in linears],
                     norms + [self.norm.weight],
                 )

@@ -25,7 +25,8 @@ import torch
 
 from minispec.distributed import TPGroup, get_tp_group
 from minispec.models.errors import ModelLoadError
-from minispec.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, check_tp, sliding_window_of
+from minispec.models.llama import LlamaForCausalLM, check_architecture, check_tp, sliding_window_of
+from minispec.utils import one_line
 
 __all__ = ["ALIASES", "SHIPPED_DRAFTS", "hf_source", "LoadedModel", "ModelLoadError", "load_model", "resolve_alias"]
 
@@ -93,15 +94,15 @@ def load_hf_model(spec: str, dtype: torch.dtype = torch.float32, require_tokeniz
     if not (Path(source).exists() or "/" in spec and not spec.startswith(("/", ".", "~"))):
         raise ModelLoadError(f"model not found: {spec} (an alias, HF directory, .gguf file or hub id)")
     try:
-        with _quiet_progress_bars():  # hides the GGUF dequantisation bar
+        with quiet_progress_bars():  # hides the GGUF dequantisation bar
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except Exception as e:
-        raise ModelLoadError(f"could not load {spec}: {_one_line(e)}") from None
+        raise ModelLoadError(f"could not load {spec}: {one_line(e)}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     except Exception as e:
         if require_tokenizer:
-            raise ModelLoadError(f"could not load the tokenizer of {spec}: {_one_line(e)}") from None
+            raise ModelLoadError(f"could not load the tokenizer of {spec}: {one_line(e)}") from None
         tokenizer = None  # a checkpoint without a tokenizer
     return model.eval(), tokenizer
 
@@ -150,12 +151,12 @@ def _load_dir(path: Path, name: str, dtype, device, tp_group: TPGroup) -> Loaded
     try:
         raw = json.loads(config_file.read_text())
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read {config_file}: {_one_line(e)}") from None
-    _check_architecture(raw.get("model_type") if isinstance(raw, dict) else None)
+        raise ModelLoadError(f"cannot read {config_file}: {one_line(e)}") from None
+    check_architecture(raw.get("model_type") if isinstance(raw, dict) else None)
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:
-        raise ModelLoadError(f"cannot read {config_file}: {_one_line(e)}") from None
+        raise ModelLoadError(f"cannot read {config_file}: {one_line(e)}") from None
     check_tp(config, tp_group.world_size, name)
 
     files = _safetensors_files(path)
@@ -183,7 +184,7 @@ def _load_gguf(path: Path, name: str, dtype, device, tp_group: TPGroup, packed: 
         raise ModelLoadError(f"reading {path.name} needs the gguf package: pip install gguf")
     with GGUFFile(path) as f:
         config = f.config()
-        _check_architecture(config.model_type)
+        check_architecture(config.model_type)
         check_tp(config, tp_group.world_size, name)
         model = LlamaForCausalLM(config, dtype=dtype, device=device, tp_group=tp_group, name=name, packed=packed)
         model.load_weights(f.weights(config, dense=not packed))
@@ -230,8 +231,8 @@ def _load_hub(repo_id: str, dtype, device, tp_group: TPGroup) -> LoadedModel:
     try:
         config = AutoConfig.from_pretrained(repo_id)
     except Exception as e:
-        raise ModelLoadError(f"could not load '{repo_id}' (not a local path or alias; hub: {_one_line(e)})") from None
-    _check_architecture(config.model_type)
+        raise ModelLoadError(f"could not load '{repo_id}' (not a local path or alias; hub: {one_line(e)})") from None
+    check_architecture(config.model_type)
     check_tp(config, tp_group.world_size, repo_id)
     model, generation_config = _from_transformers(repo_id, {}, config, repo_id, dtype, device, tp_group)
     try:
@@ -244,14 +245,6 @@ def _load_hub(repo_id: str, dtype, device, tp_group: TPGroup) -> LoadedModel:
 # ---- helpers -------------------------------------------------------------------------------
 
 
-def _check_architecture(model_type: str | None) -> None:
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"unsupported architecture '{model_type}' (model_type); "
-            f"minispec supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-
-
 def _from_transformers(source: str, kwargs: dict, config, name: str, dtype, device, tp_group: TPGroup):
     """Build transformers' model, move its weights into the native model, drop it.
 
@@ -261,13 +254,13 @@ def _from_transformers(source: str, kwargs: dict, config, name: str, dtype, devi
     from transformers import AutoModelForCausalLM
 
     try:
-        with _quiet_progress_bars():
+        with quiet_progress_bars():
             hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except Exception as e:
-        raise ModelLoadError(f"could not load weights of {name}: {_one_line(e)}") from None
+        raise ModelLoadError(f"could not load weights of {name}: {one_line(e)}") from None
     if config is None:
         config = hf_model.config
-        _check_architecture(config.model_type)
+        check_architecture(config.model_type)
         check_tp(config, tp_group.world_size, name)
     model = LlamaForCausalLM(config, dtype=dtype, device=device, tp_group=tp_group, name=name)
     model.load_weights(hf_model.state_dict())
@@ -282,7 +275,7 @@ def _load_tokenizer(source: str, kwargs: dict, name: str):
     try:
         return AutoTokenizer.from_pretrained(source, **kwargs)
     except Exception as e:
-        raise ModelLoadError(f"could not load the tokenizer of {name}: {_one_line(e)}") from None
+        raise ModelLoadError(f"could not load the tokenizer of {name}: {one_line(e)}") from None
 
 
 def _generation_config(path: Path):
@@ -326,7 +319,7 @@ def _safetensors_files(path: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ModelLoadError(f"cannot read {index}: {_one_line(e)}") from None
+            raise ModelLoadError(f"cannot read {index}: {one_line(e)}") from None
         files = [path / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
@@ -349,7 +342,7 @@ class _SafetensorsWeights(Mapping):
                 handle = safe_open(str(f), framework="pt", device="cpu")
                 names = list(handle.keys())
             except Exception as e:
-                raise ModelLoadError(f"cannot read {f}: corrupt or truncated safetensors ({_one_line(e)})") from None
+                raise ModelLoadError(f"cannot read {f}: corrupt or truncated safetensors ({one_line(e)})") from None
             self._handles.append(handle)
             self._file_of.update(dict.fromkeys(names, i))
 
@@ -358,7 +351,7 @@ class _SafetensorsWeights(Mapping):
         try:
             return self._handles[i].get_tensor(name)
         except Exception as e:
-            raise ModelLoadError(f"cannot read '{name}' from {self._files[i]}: {_one_line(e)}") from None
+            raise ModelLoadError(f"cannot read '{name}' from {self._files[i]}: {one_line(e)}") from None
 
     def __contains__(self, name) -> bool:
         return name in self._file_of
@@ -377,7 +370,7 @@ class _SafetensorsWeights(Mapping):
 
 
 @contextlib.contextmanager
-def _quiet_progress_bars():
+def quiet_progress_bars():
     """Hide transformers' tqdm bars (weight loading, GGUF dequantisation) for the duration."""
     from transformers.utils import logging as hf_logging
 
@@ -400,7 +393,3 @@ def _quiet_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def _one_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    text = lines[0] if lines else type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."

@@ -22,7 +22,7 @@ from minispec.models.loader import LoadedModel, load_model
 from minispec.models.quantize import is_self_draft, self_draft
 from minispec.playground.config import PlaygroundConfig
 from minispec.sampling_params import SamplingParams
-from minispec.spec_decode.adaptive import AdaptiveK
+from minispec.spec_decode.adaptive import AdaptiveK, FixedK
 from minispec.spec_decode.costs import measure_costs
 from minispec.tools.metrics import aggregate, expected_tokens, predicted_speedup
 from minispec.tools.prompts import encode_prompts, load_prompt_set
@@ -87,26 +87,6 @@ def env_info() -> dict:
 
 
 # ---- one configuration ----------------------------------------------------------------------
-class _RunPolicy:
-    """The k policy an LLM of the sweep is built with: each run's own policy (`inner`, set by run_one), fixed
-    k when it has none."""
-
-    def __init__(self, k_max: int):
-        self.k_max = k_max
-        self.inner = None
-
-    def __call__(self, reqs) -> list[int]:
-        return self.inner(reqs) if self.inner is not None else [self.k_max] * len(reqs)
-
-    def observe_step(self, *timing) -> None:
-        if hasattr(self.inner, "observe_step"):
-            self.inner.observe_step(*timing)
-
-    def free(self, req) -> None:
-        if hasattr(self.inner, "free"):
-            self.inner.free(req)
-
-
 class _Recorder(Observer):
     """The sweep's engine observer: while recording, counts the k given at each draft opportunity and keeps
     beta (sum_x min(p, q)) of every verified draft when record_beta."""
@@ -134,13 +114,15 @@ class _Recorder(Observer):
 
 
 class SweepLLM:
-    """An LLM on the sweep's loaded models (draft None: target only), built with its _RunPolicy and _Recorder."""
+    """An LLM on the sweep's loaded models (draft None: target only) with its _Recorder; each run sets its own
+    k policy (run_one)."""
 
     def __init__(self, target: LoadedModel, draft, k: int, b: int, **common):
-        self.policy = _RunPolicy(k) if draft is not None else None
+        self.k = k
+        self.drafts = draft is not None
         self.recorder = _Recorder(k)
-        self.llm = LLM(target, draft, num_speculative_tokens=max(k, 1), max_num_seqs=b, k_policy=self.policy,
-                       observer=self.recorder, **common)
+        self.llm = LLM(target, draft, num_speculative_tokens=max(k, 1), max_num_seqs=b,
+                       k_policy=FixedK(k) if self.drafts else None, observer=self.recorder, **common)
 
 
 def encode_for(llm: LLM, prompts: list[str], chat: bool, max_tokens: int) -> tuple[list[list[int]], int]:
@@ -154,17 +136,15 @@ def run_one(run: SweepLLM, prompt_ids: list[list[int]], params: list[SamplingPar
             policy=None) -> dict:
     """Generate every prompt in one call (policy: this run's k policy, None for fixed k); return timing, the
     summed speculation counters, the k counts and the betas."""
-    if run.policy is not None:
-        run.policy.inner = policy
+    if run.drafts:
+        run.llm.engine.k_policy = policy if policy is not None else FixedK(run.k)
     run.recorder.start(record_beta)
     t0 = time.perf_counter()
     outs = run.llm.generate(prompt_ids, params)
     elapsed = time.perf_counter() - t0
     run.recorder.stop()
-    if run.policy is not None:
-        run.policy.inner = None
     return {**aggregate(outs), "elapsed_s": elapsed, "betas": np.array(run.recorder.betas, dtype=np.float64),
-            "k_counts": run.recorder.counts.tolist() if run.policy is not None else []}
+            "k_counts": run.recorder.counts.tolist() if run.drafts else []}
 
 
 def make_row(res: dict, k: int, costs: dict, draft_name: str | None) -> dict:

@@ -20,7 +20,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from minispec.serve.engine_loop import EngineLoop, Update
 from minispec.serve.logprobs import LogprobsShape
 from minispec.serve.metrics import ServerMetrics
-from minispec.serve.protocol import APIError, Job, model_not_found, one_line, parse_job, parse_json
+from minispec.serve.protocol import APIError, Job, model_not_found, error_line, parse_job, parse_json
 from minispec.serve.text import TextStream
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies get 413
@@ -282,7 +282,7 @@ class OpenAIServer:
         return error_response(APIError(e.status_code, message, type=kind, headers=e.headers))
 
     async def _server_error(self, request: Request, e: Exception) -> Response:
-        return error_response(APIError(500, f"internal error: {one_line(e)}", type="server_error"))
+        return error_response(APIError(500, f"internal error: {error_line(e)}", type="server_error"))
 
 
 class HeaderTimeoutProtocol(H11Protocol):

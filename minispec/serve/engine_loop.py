@@ -21,8 +21,7 @@ import torch
 
 from minispec.distributed import get_tp_group
 from minispec.sampling_params import SamplingParams
-from minispec.serve.protocol import one_line
-from minispec.tools.metrics import COUNTERS
+from minispec.serve.protocol import error_line
 
 log = logging.getLogger("minispec.serve")
 
@@ -47,7 +46,7 @@ class _Live:
     arrival: float
     num_prompt_tokens: int
     last_token_time: float | None = None
-    seen: tuple = (0, 0, 0)  # num_drafts, num_draft_tokens, num_accepted_tokens already counted
+    seen: tuple = (0, 0, 0)  # num_spec_verifications, num_draft_tokens, num_accepted_tokens already counted
     seen_per_pos: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # set once the engine has ended it; the answer stays open until released
     end_time: float | None = None
@@ -63,7 +62,7 @@ def apply_commands(llm, commands: list[tuple]) -> tuple[bool, dict[str, str]]:
             try:
                 llm.add_request(prompt_ids, params, request_id=req_id)
             except Exception as e:  # noqa: BLE001 — this request alone fails, the same on every rank: each skips it
-                failed[req_id] = one_line(e)
+                failed[req_id] = error_line(e)
         elif cmd[0] == "abort":
             llm.abort(cmd[1])
         elif cmd[0] == "stop":
@@ -146,7 +145,7 @@ class EngineLoop:
             while self._iterate():
                 pass
         except Exception as e:  # noqa: BLE001 — the loop is dead: tell every waiting client why, then stop
-            reason = f"engine loop failed: {one_line(e)}"
+            reason = f"engine loop failed: {error_line(e)}"
             self.error = reason
             log.exception(reason)
         for live in self._live.values():
@@ -226,8 +225,7 @@ class EngineLoop:
             if live is None:
                 continue
             m = req.metrics
-            spec = {key: getattr(m, key) for key in COUNTERS}
-            spec["accepted_per_position"] = list(m.accepted_per_position)
+            spec = m.counters()
             if self.metrics is not None:
                 self._observe(live, req, out.new_token_ids, now)
             if req.finished:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from minispec.sampling_params import SamplingParams
+from minispec.utils import one_line
 
 # Fields of the OpenAI (and vLLM) API this server does not implement: the values each may take (null or
 # absent always may), compared by type and value, so that true is not taken for 1.
@@ -50,9 +51,9 @@ class APIError(Exception):
         return json.dumps({"error": error}).encode()
 
 
-def one_line(e: Exception) -> str:
-    """An exception as one line: its type and its message up to the first line break."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+def error_line(e: Exception) -> str:
+    """An exception as one line: its type, then its message's first line (utils.one_line; nothing without one)."""
+    return f"{type(e).__name__}: {one_line(e, limit=None) if str(e).strip() else ''}"
 
 
 def model_not_found(model, model_name: str) -> APIError:
@@ -189,7 +190,7 @@ def parse_job(body: dict, chat: bool, llm, model_name: str) -> Job:
     try:
         prompt_ids, prompt_text = (_chat_ids(body, llm), None) if chat else _prompt_ids(body, llm)
     except (ValueError, TemplateError) as e:  # a tokenizer failure, or a chat template's raise_exception
-        raise APIError(400, f"{prompt_field}: {one_line(e)}", param=prompt_field) from None
+        raise APIError(400, f"{prompt_field}: {error_line(e)}", param=prompt_field) from None
     n = _int(body, "n", 1, MAX_N, 1)
     logprobs, echo = _chat_logprobs(body) if chat else _completion_logprobs(body)
     if logprobs is not None and llm.engine.tp.world_size > 1:

@@ -59,6 +59,51 @@ from dataclasses import dataclass
 import numpy as np
 
 
+class KPolicy:
+    """Engine.k_policy: each drafting request's k per step; the hooks are no-ops, override what you need."""
+
+    # Whether the engine calls observe_step after every step (under TP with rank 0's timings, broadcast first:
+    # every rank must choose the same k). Read once per step.
+    observes_steps: bool = False
+
+    def __call__(self, reqs: Sequence) -> list[int]:
+        """Each request's k in [0, k_max] (0: no drafts this step)."""
+        raise NotImplementedError
+
+    def observe_step(self, batch_size: int, speculative: bool, step_s: float, forward_s: float) -> None:
+        """With observes_steps, after every step: requests verified, any drafts, wall and forward seconds."""
+
+    def free(self, req) -> None:
+        """The request finished: forget what is kept of it."""
+
+
+class FixedK(KPolicy):
+    """Every request drafts k (the engine's policy when it is given none)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __call__(self, reqs: Sequence) -> list[int]:
+        return [self.k] * len(reqs)
+
+
+class _CallableK(KPolicy):
+    """A plain function reqs -> ks as a KPolicy."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, reqs: Sequence) -> list[int]:
+        return self.fn(reqs)
+
+
+def as_k_policy(policy, k: int) -> KPolicy:
+    """A KPolicy as it is, a plain callable reqs -> ks wrapped, None as FixedK(k)."""
+    if policy is None:
+        return FixedK(k)
+    return policy if isinstance(policy, KPolicy) else _CallableK(policy)
+
+
 def expected_tokens(alpha: float | np.ndarray, k: int | np.ndarray) -> float | np.ndarray:
     """Mean tokens per verification with k drafts at per-token acceptance alpha: (1 - alpha^(k+1)) / (1 - alpha)."""
     alpha = np.asarray(alpha, dtype=np.float64)
@@ -95,7 +140,7 @@ def batch_bucket(batch_size: int) -> int:
     return 1 << max(0, int(batch_size) - 1).bit_length()
 
 
-class AdaptiveK:
+class AdaptiveK(KPolicy):
     """Engine.k_policy: one k per step for the batch, the one with the most expected tokens per unit cost.
 
     k_max: the engine's num_speculative_tokens. draft_cost: c, draft cost per drafted token over a
@@ -105,6 +150,8 @@ class AdaptiveK:
     verify_costs) from which a seeded request chooses its own k, or None (seeded requests share the batch's
     k). See the module docstring.
     """
+
+    observes_steps = True
 
     def __init__(
         self,

@@ -19,18 +19,12 @@ import numpy as np
 import torch
 
 from minispec.distributed import get_tp_group
-from minispec.utils import cdiv, load_triton, use_triton
+from minispec.utils import cdiv, load_triton
+from minispec.utils import use_triton as _use_triton
 
 triton, tl = load_triton()
 
-# Tests set this to run the Triton kernels on CPU tensors (under TRITON_INTERPRET=1).
-FORCE_TRITON = False
-
 _BLOCK_SIZE = 1024
-
-
-def _run_triton(t: torch.Tensor) -> bool:
-    return FORCE_TRITON or use_triton(t)
 
 
 def shard_owners(num_reqs: int, tp: int) -> np.ndarray:
@@ -234,7 +228,7 @@ class DraftLogitsCache:
         flags it)."""
         return self.values[self.rows_of(slots).clamp(min=0).long(), steps]
 
-    def assign(self, slots: torch.Tensor, slots_np: np.ndarray) -> None:
+    def assign(self, slots: torch.Tensor, slots_np: np.ndarray, use_triton: bool | None = None) -> None:
         """Give a sharded cache's rows out by batch position; call after verification and before
         the draft step writes the draft logits.
 
@@ -242,13 +236,14 @@ class DraftLogitsCache:
         owner (host copy here in numpy, device copy by the kernel); if the owner is this rank,
         row_mapping[s] = i // tp and inverse_row_mapping[i // tp] = s, else row_mapping[s] = -1.
         Slots not in the batch keep their entries, which is how stale_drafts finds them later.
-        A no-op for a replicated cache.
+        A no-op for a replicated cache. use_triton: the kernel (None: on CUDA tensors; tests force it on CPU
+        tensors under TRITON_INTERPRET=1), as rejection_sample's.
         """
         num_reqs = slots_np.shape[0]
         if self.row_mapping is None or num_reqs == 0:
             return
         self.shard_mapping_np[slots_np] = shard_owners(num_reqs, self._num_shards)
-        if _run_triton(slots):
+        if _use_triton(slots) if use_triton is None else use_triton:
             _assign_rows_kernel[(triton.cdiv(num_reqs, _BLOCK_SIZE),)](
                 slots,
                 self.shard_mapping,
@@ -265,18 +260,14 @@ class DraftLogitsCache:
                 self._num_shards, self._shard_idx,
             )
 
-    def owners_of(self, slots_np: np.ndarray) -> tuple[np.ndarray, torch.Tensor | None]:
-        """The TP rank that verifies each of a batch's requests: the rank that cached its draft
-        logits, or for a replicated cache, round-robin over batch positions.
-
-        Returns [num_reqs] each request's owner, and the [max_num_reqs] device owner table (None
-        for a replicated cache).
-        """
+    def owners_of(self, slots_np: np.ndarray) -> np.ndarray:
+        """[num_reqs] the TP rank that verifies each of a batch's requests: the rank that cached its draft
+        logits, or for a replicated cache, round-robin over batch positions."""
         if self.row_mapping is None:
-            return shard_owners(slots_np.shape[0], get_tp_group().world_size), None
-        return self.shard_mapping_np[slots_np], self.shard_mapping
+            return shard_owners(slots_np.shape[0], get_tp_group().world_size)
+        return self.shard_mapping_np[slots_np]
 
-    def stale_drafts(self, input_batch) -> torch.Tensor | None:
+    def stale_drafts(self, input_batch, use_triton: bool | None = None) -> torch.Tensor | None:
         """Mark the drafts whose draft logits were overwritten since drafting; only valid for
         requests this rank owns.
 
@@ -287,14 +278,15 @@ class DraftLogitsCache:
         since). A request's bonus position may be flagged too; it verifies no draft, so the flag is moot.
 
         ``input_batch`` needs int32 tensors ``expanded_slots`` and ``expanded_local_pos``.
-        Returns [num_logits] bool, or None for a replicated cache, whose rows are never reused.
+        Returns [num_logits] bool, or None for a replicated cache, whose rows are never reused. use_triton: as
+        assign's.
         """
         if self.row_mapping is None:
             return None
         expanded_slots = input_batch.expanded_slots
         expanded_local_pos = input_batch.expanded_local_pos
         num_logits = expanded_slots.shape[0]
-        if not _run_triton(expanded_slots):
+        if not (_use_triton(expanded_slots) if use_triton is None else use_triton):
             return _stale_drafts_torch(
                 expanded_slots, expanded_local_pos, self.row_mapping, self.inverse_row_mapping,
                 self.num_steps,

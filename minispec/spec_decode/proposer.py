@@ -101,7 +101,7 @@ def owned(reqs: list[Drafting], cache: DraftLogitsCache) -> tuple[np.ndarray, np
     tp = get_tp_group()
     slots = np.array([r.slot for r in reqs], dtype=np.int32)
     sharded = cache.row_mapping is not None
-    owners = cache.owners_of(slots)[0] if sharded else np.full(len(reqs), tp.rank_in_group)
+    owners = cache.owners_of(slots) if sharded else np.full(len(reqs), tp.rank_in_group)
     mine = owners == tp.rank_in_group
     rows = cache.rows_of(torch.from_numpy(slots[mine]).long().to(cache.device)).long()
     return owners, mine, rows

@@ -25,15 +25,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from minispec.engine.request import RequestMetrics
+from minispec.engine.request import COUNTERS, RequestMetrics
 from minispec.spec_decode.adaptive import expected_tokens, predicted_speedup
 
 __all__ = ["acceptance_by_position", "aggregate", "alpha_mle", "expected_tokens", "first_position_rate", "per_token_agreement",
            "predicted_speedup", "tau_from_acceptance", "tau_from_agreement"]
-
-COUNTERS = ("num_spec_verifications", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
-            "num_stale_drafts")
-
 
 def aggregate(outputs) -> dict:
     """The speculation counters of RequestOutputs summed, with every estimator of this module.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from minispec.models.loader import _quiet_progress_bars, resolve_alias
+from minispec.models.loader import quiet_progress_bars, resolve_alias
 
 TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    vocab_size=256, max_position_embeddings=256, intermediate_size=128)
@@ -58,7 +58,7 @@ def make_tiny_model_dir(path, model_type: str = "llama", seed: int = 0, with_tok
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(0.1 * torch.randn_like(p))
-    with _quiet_progress_bars():
+    with quiet_progress_bars():
         model.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from minispec.engine.input_batch import InputBatch
-from minispec.spec_decode import draft_logits
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 from minispec.utils import cdiv
 from tests.dist_scripts.leave import leave
@@ -124,17 +123,13 @@ def run_rank(
         batch = InputBatch.build([str(r) for r in step.req_ids], slots_np, num_logits, device)
 
         # Verification: owners and stale drafts.
-        owners, owner_table = cache.owners_of(batch.slots_np)
+        owners = cache.owners_of(batch.slots_np)
         want_owners = [oracle.owner(s) for s in step.slots]
         check(owners.tolist() == want_owners, f"step {t}: owners {owners.tolist()} != {want_owners}")
-        check(owner_table.cpu().tolist() == cache.shard_mapping_np.tolist(), f"step {t}: device/host owners")
+        check(cache.shard_mapping.cpu().tolist() == cache.shard_mapping_np.tolist(), f"step {t}: device/host owners")
         stale = cache.stale_drafts(batch).cpu()
         if twin is not None:
-            draft_logits.FORCE_TRITON = True
-            try:
-                twin_stale = twin.stale_drafts(batch).cpu()
-            finally:
-                draft_logits.FORCE_TRITON = False
+            twin_stale = twin.stale_drafts(batch, use_triton=True).cpu()
             check(torch.equal(stale, twin_stale), f"step {t}: triton stale {twin_stale.tolist()} != {stale.tolist()}")
         rows = cache.rows_of(batch.slots).cpu().tolist()
         for i, (req_id, slot) in enumerate(zip(step.req_ids, step.slots)):
@@ -153,17 +148,13 @@ def run_rank(
         # Draft step: give rows out by batch position, then write the draft logits.
         cache.assign(batch.slots, batch.slots_np)
         if twin is not None:
-            draft_logits.FORCE_TRITON = True
-            try:
-                twin.assign(batch.slots, batch.slots_np)
-            finally:
-                draft_logits.FORCE_TRITON = False
+            twin.assign(batch.slots, batch.slots_np, use_triton=True)
             for name in ("row_mapping", "inverse_row_mapping", "shard_mapping"):
                 a, b = getattr(cache, name).cpu(), getattr(twin, name).cpu()
                 check(torch.equal(a, b), f"step {t}: triton {name} {b.tolist()} != {a.tolist()}")
             check(np.array_equal(cache.shard_mapping_np, twin.shard_mapping_np), f"step {t}: shard_mapping_np")
         oracle.draft(step.slots)
-        owners, _ = cache.owners_of(batch.slots_np)
+        owners = cache.owners_of(batch.slots_np)
         positions = np.arange(len(step.slots))
         check(np.array_equal(owners, positions % tp), f"step {t}: drafted owners {owners.tolist()}")
         rows = cache.rows_of(batch.slots).cpu().tolist()
