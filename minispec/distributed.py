@@ -111,6 +111,11 @@ _TP_GROUP = TPGroup()
 _TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 
+def job_world_size() -> int:
+    """How many ranks torchrun started (1 outside torchrun), known before any rank connects."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(timeout_s: float | None = None) -> TPGroup:
     """Join torchrun's job (gloo on CPU, nccl on CUDA), or set up a single-rank group outside torchrun.
 
@@ -119,7 +124,7 @@ def init_distributed(timeout_s: float | None = None) -> TPGroup:
     the surviving ranks; NCCL's watchdog aborts the process after the timeout instead.)
     """
     global _TP_GROUP, _TIMEOUT_S
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = job_world_size()
     if world_size == 1:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         _TP_GROUP = TPGroup(1, 0, device)

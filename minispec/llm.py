@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from minispec.distributed import TPGroup, init_distributed
+from minispec.distributed import TPGroup, init_distributed, job_world_size
 from minispec.engine.engine import Engine, EngineConfig
 from minispec.kernels import cpu
 from minispec.engine.observer import Observer
@@ -388,12 +388,13 @@ def check_options(draft, num_speculative_tokens: int, max_num_seqs: int, draft_d
 
 
 def start_tp(tensor_parallel_size: int) -> TPGroup:
-    """Join torchrun's job (or a single-rank group), checking it has tensor_parallel_size ranks."""
-    tp = init_distributed()
-    if tp.world_size != tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but the job has {tp.world_size} rank(s); "
+    """Join torchrun's job (or a single-rank group) once it is known to have tensor_parallel_size ranks: every rank
+    checks torchrun's WORLD_SIZE before connecting, so none is left connecting to one that gave up."""
+    world_size = job_world_size()
+    if world_size != tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but the job has {world_size} rank(s); "
                          f"launch with torchrun --nproc-per-node {tensor_parallel_size}")
-    return tp
+    return init_distributed()
 
 
 def shared_seed(seed: int | None, tp: TPGroup) -> int:

@@ -325,7 +325,9 @@ def write_readme(out: Path, cfg: HeadTrainConfig, final: dict, n_tokens: int, co
         "- held-out greedy acceptance (teacher-forced, given the earlier drafts right): "
         + ", ".join(f"position {j + 1}: {final[f'acc_{j + 1}']:.3f}" for j in range(cfg.ttt_steps)),
         "- predicted tokens per verification (greedy): "
-        + ", ".join(f"k = {k}: {v:.2f}" for k, v in final["tau_greedy_k"].items()), "",
+        + ", ".join(f"k = {k}: {v:.2f}" for k, v in final["tau_greedy_k"].items()),
+        *([f"- started from the head of an earlier run (`--init {cfg.init}`, its README.md gives its own data and "
+           f"steps); this run's steps are counted from there"] if cfg.init else []), "",
         "Evals during training (metrics.json has all of them):", "",
         "| step | train s | acc 1 | acc 2 | acc 3 |", "|---|---|---|---|---|",
     ]
