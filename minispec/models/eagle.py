@@ -74,6 +74,26 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, w.shape, w, eps)
 
 
+def attention_input(cfg: HeadConfig, input_norm, hidden_norm, fc, emb: torch.Tensor, feature: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what q/k/v read, the residual stream) of a head from the token embedding and the feature [.., hidden]:
+    EAGLE-3 the two normed and concatenated, EAGLE-1 fc (a callable) of the two."""
+    if cfg.version == 3:
+        eps = cfg.rms_norm_eps
+        x = torch.cat([rms_norm(emb, input_norm, eps), rms_norm(feature, hidden_norm, eps)], -1)
+        return x, feature
+    x = fc(torch.cat([emb, feature], -1))
+    return x, x
+
+
+def head_logits(cfg: HeadConfig, norm, lm_head, prenorm: torch.Tensor, target_head) -> torch.Tensor:
+    """A head's logits of its pre-norm output: EAGLE-3 lm_head (a callable) of the normed output, EAGLE-1 its own
+    lm_head or, without one, the target's (target_head)."""
+    if cfg.version == 3:
+        return lm_head(rms_norm(prenorm, norm, cfg.rms_norm_eps))
+    return lm_head(prenorm) if lm_head is not None else target_head(prenorm)
+
+
 class EagleHead(nn.Module):
     """The head's weights in Hugging Face layout, and the pieces of its forward that training and the engine share."""
 
@@ -109,12 +129,8 @@ class EagleHead(nn.Module):
 
     def attention_input(self, emb: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(what q/k/v read, the residual stream) from the token embedding and the feature [.., hidden]."""
-        eps = self.cfg.rms_norm_eps
-        if self.cfg.version == 3:
-            x = torch.cat([rms_norm(emb, self.input_layernorm, eps), rms_norm(feature, self.hidden_norm, eps)], -1)
-            return x, feature
-        x = self.fc(torch.cat([emb, feature], -1))
-        return x, x
+        return attention_input(self.cfg, getattr(self, "input_layernorm", None), getattr(self, "hidden_norm", None),
+                               self.fc, emb, feature)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """EAGLE-3: the target's captured states [.., C * hidden] -> the feature [.., hidden]; EAGLE-1: as is."""
@@ -122,9 +138,7 @@ class EagleHead(nn.Module):
 
     def logits(self, prenorm: torch.Tensor, target_head=None) -> torch.Tensor:
         """Draft-vocabulary logits of the head's pre-norm output (EAGLE-1: the target's head, target_head(h))."""
-        if self.cfg.version == 3:
-            return self.lm_head(rms_norm(prenorm, self.norm, self.cfg.rms_norm_eps))
-        return self.lm_head(prenorm) if self.lm_head is not None else target_head(prenorm)
+        return head_logits(self.cfg, getattr(self, "norm", None), self.lm_head, prenorm, target_head)
 
     # ---- training: the forward over whole sequences, fed its own outputs for later steps ----------------
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,16 +233,14 @@ class InferenceWeights:
         ts = [self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm_head]
         return sum(t.data.numel() if isinstance(t, PackedWeight) else t.numel() * 4 for t in ts if t is not None)
 
+    def fc_apply(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.fc, self.fc_bias)
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        return linear(features, self.fc, self.fc_bias) if self.cfg.version == 3 else features
+        return self.fc_apply(features) if self.cfg.version == 3 else features
 
     def attention_input(self, emb: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        eps = self.cfg.rms_norm_eps
-        if self.cfg.version == 3:
-            x = torch.cat([rms_norm(emb, self.input_layernorm, eps), rms_norm(feature, self.hidden_norm, eps)], -1)
-            return x, feature
-        x = linear(torch.cat([emb, feature], -1), self.fc, self.fc_bias)
-        return x, x
+        return attention_input(self.cfg, self.input_layernorm, self.hidden_norm, self.fc_apply, emb, feature)
 
     def layer_output(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The pre-norm output [N, H] from the attention output [N, nh * hd] and the residual stream."""
@@ -239,9 +251,8 @@ class InferenceWeights:
 
     def logits(self, prenorm: torch.Tensor, target_logits) -> torch.Tensor:
         """Draft-vocabulary logits [N, draft_vocab] (EAGLE-1 without its own head: target_logits(h), full vocab)."""
-        if self.cfg.version == 3:
-            return linear(rms_norm(prenorm, self.norm, self.cfg.rms_norm_eps), self.lm_head)
-        return linear(prenorm, self.lm_head) if self.lm_head is not None else target_logits(prenorm)
+        lm_head = (lambda h: linear(h, self.lm_head)) if self.lm_head is not None else None
+        return head_logits(self.cfg, self.norm, lm_head, prenorm, target_logits)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------
