@@ -174,3 +174,21 @@ def test_triton_kernel_matches_reference(name):
     x = torch.randn(2, w.in_features)
     got = packed_linear_triton(x, w.data, w.qtype, w.in_features, block_n=4, block_b=32)
     assert rel_err(got, F.linear(x, torch.from_numpy(ref))) < 1e-5
+
+
+def test_a_stale_build_lock_is_cleared(tmp_path, capsys):
+    """An interrupted build leaves torch's lock file, on which every later build would wait for ever: one older than
+    STALE_LOCK_S goes (with a line saying so), a fresh one (a build running now) stays."""
+    import os
+    import time
+
+    from minispec.kernels import STALE_LOCK_S, clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(tmp_path) and not lock.exists()
+    assert "removed a stale build lock" in capsys.readouterr().err
+    assert not clear_stale_lock(tmp_path)  # no lock: nothing to do

@@ -7,6 +7,7 @@ import hashlib
 import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -22,14 +23,36 @@ def _cpu_identity() -> bytes:
         return platform.processor().encode()
 
 
+def _build_dir(full_name: str) -> Path:
+    """torch's extension cache directory of this build."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(full_name, verbose=False))
+
+
 def _is_built(full_name: str) -> bool:
     """Whether torch's extension cache already holds this build (then loading it takes no compile)."""
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return (Path(_get_build_directory(full_name, verbose=False)) / f"{full_name}.so").is_file()
+        return (_build_dir(full_name) / f"{full_name}.so").is_file()
     except Exception:  # a torch without the helper: say nothing
         return True
+
+
+STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a build that was killed
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove torch's build lock in build_dir if it is older than max_age_s (an interrupted build leaves it, and
+    every later build would wait on it for ever); whether it did."""
+    lock = Path(build_dir) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime <= max_age_s:
+            return False
+        lock.unlink()
+    except OSError:  # no lock, or another process removed it first
+        return False
+    print(f"minispec: removed a stale build lock {lock} (left by an interrupted build)", file=sys.stderr, flush=True)
+    return True
 
 
 def build_cpp(name: str, sources: list[Path], cflags: list[str], what: str):
@@ -48,6 +71,7 @@ def build_cpp(name: str, sources: list[Path], cflags: list[str], what: str):
         digest = hashlib.sha256(text + " ".join(cflags).encode() + _cpu_identity() + where).hexdigest()[:10]
         full_name = f"minispec_{name}_{digest}"
         if not _is_built(full_name):
+            clear_stale_lock(_build_dir(full_name))
             print(f"minispec: building {what}, once for this CPU and checkout (about a minute)", file=sys.stderr,
                   flush=True)
         return load(name=full_name, sources=[str(s) for s in sources if s.suffix == ".cpp"],
