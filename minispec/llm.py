@@ -30,9 +30,10 @@ from minispec.utils import parse_dtype
 
 # The defaults: LLM(), the CLI, serve and `make demo` run DEFAULT_TARGET (packed, exact) with the proposer
 # DRAFT_FOR_TARGET names for it, under adaptive k; (None, None): target-only. Chosen by measurement
-# (docs/experiments.md, "An EAGLE-3 head for SmolLM2"): on the packed target no proposer pays on the 2-core Zen 4.
-# The best, the shipped EAGLE-3 head at int8 (+ prompt lookup) with adaptive k, ran 0.91-0.97x target-only at
-# batch 1 and 0.90-1.03x at batch 4 / 16 there (a 5-token packed verification costs 1.9 one-token forwards).
+# (docs/experiments.md, "An EAGLE-3 head for SmolLM2"): on the 2-core Zen 4 the shipped EAGLE-3 head (second run,
+# engine acceptance 0.55 at position 1) with adaptive k ran 0.92-0.98x target-only greedy at batch 1 and
+# 1.10-1.11x at T = 0.8 (a 4-token packed verification costs 1.98 one-token forwards there), so greedy, the
+# CLI's default, would lose; the head stays a named option.
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target, else none
 HEAD_WITH_LOOKUP = "+ngram"  # draft="HEAD+ngram": prompt lookup (matches of 2+ tokens) where it finds one, else the head
