@@ -220,10 +220,9 @@ def hf_runner(model, pad_id: int, cfg: BenchConfig, temperature: float, **extra)
     device = model.device
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-
     def run(batches, max_tokens):
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         tokens = 0
         for j, batch in enumerate(batches):
             width = max(len(p) for _, p in batch)

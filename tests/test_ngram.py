@@ -1,6 +1,5 @@
 """Prompt-lookup (n-gram) proposer: matching rules, one-hot draft logits, greedy equality and a
 chi-square check that sampling through it is lossless, on tiny random models."""
-import dataclasses
 import math
 
 import numpy as np
@@ -26,7 +25,7 @@ def ngram_llm(target_dir: str, k: int, min_n: int = 1, max_n: int = 3, **llm_kwa
     """An LLM whose engine drafts with NgramProposer(k): a target-only LLM with its engine rebuilt
     around a KV cache with room for the k drafts."""
     llm = LLM(target=target_dir, **llm_kwargs)
-    config = dataclasses.replace(llm.engine.config, num_speculative_tokens=k)
+    config = llm.engine.config  # the engine reads k from its proposer
     runner = ModelRunner(llm.target.model, config.max_num_seqs, config.max_model_len + k + 1,
                          dtype=torch.float32, device=llm.device)
     llm.engine = Engine(runner, NgramProposer(k, min_n, max_n), config, llm.target.eos_token_ids,
