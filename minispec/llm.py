@@ -238,12 +238,15 @@ class LLM:
         """AdaptiveK over draft and verify costs measured on these models at each batch-size bucket, now (before
         serving). Seeded requests choose their own k on the roofline instead (reproducible): a draft step costs
         the draft's parameter bytes over the target's, verification is free."""
+        if self.head is not None:
+            measured, draft_bytes = proposer.runner, proposer.runner.weights.nbytes()
+        elif self.draft is None:  # prompt lookup
+            measured, draft_bytes = "ngram", 0
+        else:
+            measured, draft_bytes = self.draft.model, param_bytes(self.draft.model)
         k = proposer.k
-        measured = proposer.runner if self.head is not None else "ngram" if self.draft is None else self.draft.model
         costs = MeasuredCosts(self.target.model, measured, k, max_num_seqs, self.target.vocab_size, torch_dtype,
                               self.device, repeats=1)
-        draft_bytes = proposer.runner.weights.nbytes() if self.head is not None else \
-            0 if self.draft is None else param_bytes(self.draft.model)
         c = draft_bytes / param_bytes(self.target.model)
         if tp.world_size > 1:  # every rank must choose the same k: rank 0's ratio
             c = float(tp.broadcast(torch.tensor([c], dtype=torch.float64, device=self.device)).item())
