@@ -1,5 +1,6 @@
 """The head's tools on a tiny target: distill/head_data.py's records and resumption, distill/head.py's run, --resume
 and --init, and the trained head served by LLM(draft=DIR) with target greedy output."""
+import json
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,25 @@ def test_init_starts_from_an_earlier_head(tiny, tmp_path):
     train(again, progress=False, log=lambda *a: None)
     trained = init_head(tmp_path / "again", model, (2, 4, 5))
     assert torch.equal(trained.draft_ids, head.draft_ids)  # the earlier vocabulary (64 ids), not a new one of 16
+
+
+def test_a_second_seed_makes_new_answers_and_trains_beside_the_first(tiny, tmp_path):
+    root, target, cfg, _ = tiny
+    quiet = lambda *a: None  # noqa: E731
+    generate(target, tmp_path / "s1", 6, max_tokens=10, batch=3, sampled_every=1, seed=1, log=quiet)
+    first = {tuple(r["ids"].tolist()) for r in load_records(root / "train")}
+    second = load_records(tmp_path / "s1")
+    assert len(second) == 6 and all(r["temperature"] == 0.8 for r in second)
+    assert sum(tuple(r["ids"].tolist()) not in first for r in second) >= 4  # sampled with another seed: new answers
+    both = load_records([root / "train", tmp_path / "s1"])
+    assert len(both) == 12
+    run = HeadTrainConfig(**{**cfg.__dict__, "data": f"{root / 'train'},{tmp_path / 's1'}", "out": str(tmp_path / "h"),
+                             "epochs": 0.5})
+    assert train(run, progress=False, log=quiet)["step"] > 0
+    other = tmp_path / "other"
+    generate(target, other, 1, max_tokens=10, batch=1, log=quiet)
+    manifest = read_manifest(other)
+    manifest["settings"]["capture_layers"] = [1, 2, 3]
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="layers"):
+        train(HeadTrainConfig(**{**run.__dict__, "data": f"{root / 'train'},{other}"}), progress=False, log=quiet)

@@ -1,6 +1,6 @@
 """Train an EAGLE-3 head (models/eagle.py) on the target's own answers and hidden states (distill/head_data.py).
 
-python -m minispec.distill.head --data DIR --eval-data DIR --out DIR [--max-tokens N] [--time-budget MIN] [--resume]
+python -m minispec.distill.head --data DIR[,DIR...] --eval-data DIR --out DIR [--max-tokens N] [--time-budget MIN] [--resume]
     [--init EARLIER_OUT]
 
 - Draft vocabulary: the draft_vocab most frequent answer tokens of the training data (FR-Spec); the head's q is
@@ -34,7 +34,7 @@ from minispec.tools.metrics import tau_from_acceptance
 class HeadTrainConfig:
     """One head-training run."""
 
-    data: str = ""  # distill/head_data.py directory (train answers)
+    data: str = ""  # distill/head_data.py directories (train answers), comma-separated
     eval_data: str = ""  # the same for the held-out eval prompts
     out: str = ""
     max_tokens: int = 0  # answer tokens of the training data used (0 = all): the data curve's x
@@ -55,6 +55,18 @@ class HeadTrainConfig:
     threads: int = 0
     bf16: bool = True  # autocast the head's matmuls to bfloat16 (AVX512-BF16 / AMX / tensor cores); weights float32
     init: str = ""  # an earlier run's out/: start from its head (weights, draft vocabulary), with a fresh schedule
+
+
+def data_settings(dirs: list[Path]) -> dict:
+    """The settings the data directories share: one target and the same captured layers."""
+    settings = [read_manifest(d)["settings"] for d in dirs]
+    for d, st in zip(dirs, settings):
+        if st is None:
+            raise ValueError(f"{d} holds no head data (no {d / 'manifest.json'})")
+        if (st["target"], st["capture_layers"]) != (settings[0]["target"], settings[0]["capture_layers"]):
+            raise ValueError(f"{d} was made from {st['target']} layers {st['capture_layers']}; {dirs[0]} from "
+                             f"{settings[0]['target']} layers {settings[0]['capture_layers']}")
+    return settings[0]
 
 
 def draft_vocabulary(records: list[dict], size: int, vocab_size: int) -> torch.Tensor:
@@ -218,14 +230,15 @@ def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = read_manifest(Path(cfg.data))["settings"]
+    data_dirs = [Path(d) for d in cfg.data.split(",")]
+    settings = data_settings(data_dirs)
     target = load_model(settings["target"], dtype=torch.float32, device=torch.device("cpu"), packed=None).model
     capture = tuple(settings["capture_layers"])
     H = target.hidden_size
     cols = slice(0, len(capture) * H) if cfg.features == "fused" else slice((len(capture) - 1) * H, len(capture) * H)
     feature_layers = capture if cfg.features == "fused" else capture[-1:]
     t0 = time.perf_counter()
-    train_recs = load_records(Path(cfg.data), cfg.max_tokens or None)
+    train_recs = load_records(data_dirs, cfg.max_tokens or None)
     eval_recs = [r for r in load_records(Path(cfg.eval_data)) if r.get("temperature", 0.0) == 0]
     n_tokens = sum(len(r["topk_ids"]) for r in train_recs)
     log(f"head: {len(train_recs)} train answers ({n_tokens} tokens), {len(eval_recs)} eval answers "

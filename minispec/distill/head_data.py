@@ -50,11 +50,13 @@ def read_manifest(out: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {"settings": None, "shards": [], "done": []}
 
 
-def load_records(out: Path, max_tokens: int | None = None) -> list[dict]:
-    """Every record of a data directory, in the order made; max_tokens: stop once that many answer tokens."""
+def load_records(out: Path | list[Path], max_tokens: int | None = None) -> list[dict]:
+    """Every record of one data directory or several, in the order made; max_tokens: stop once that many answer
+    tokens."""
     records, n = [], 0
-    for shard in read_manifest(out)["shards"]:
-        for r in torch.load(out / shard, weights_only=False):
+    dirs = [out] if isinstance(out, Path) else out
+    for shard in (d / s for d in dirs for s in read_manifest(d)["shards"]):
+        for r in torch.load(shard, weights_only=False):
             records.append(r)
             n += len(r["topk_ids"])
             if max_tokens is not None and n >= max_tokens:
@@ -187,6 +189,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--sampled-every", type=int, default=2, help="every Nth answer sampled at T = 0.8 (0: all greedy)")
     ap.add_argument("--top-k", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the sampled answers' seed: another seed, with --sampled-every 1, makes new answers to the same prompts")
     ap.add_argument("--time-budget-min", type=float, default=0.0)
     ap.add_argument("--shard-size", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0)
@@ -194,7 +198,7 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     generate(a.target, a.out, a.num_prompts, max_tokens=a.max_tokens, batch=a.batch, sampled_every=a.sampled_every,
-             top_k=a.top_k, time_budget_min=a.time_budget_min, shard_size=a.shard_size, split=a.split)
+             top_k=a.top_k, seed=a.seed, time_budget_min=a.time_budget_min, shard_size=a.shard_size, split=a.split)
 
 
 if __name__ == "__main__":
