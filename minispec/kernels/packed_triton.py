@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from minispec.kernels.ggml import BF16, F16, GROUP, PACKED_TYPES
+from minispec.kernels.ggml import BF16, F16, GROUP, PACKED_TYPES, Q4_0, Q4_1, Q8_0
 from minispec.utils import cdiv
 
 
@@ -18,22 +18,22 @@ def _kernel():
 
     @triton.jit
     def packed_linear_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_x, stride_w, stride_o,
-                             QTYPE: tl.constexpr, SIZE: tl.constexpr, GROUP: tl.constexpr,
+                             FORMAT: tl.constexpr, SIZE: tl.constexpr, GROUP: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
         """out[m, n] = sum_k x[m, k] * w[n, k], w dequantised; BLOCK_B bytes of each packed row at a time."""
-        # QTYPE: the GGML type id (kernels/ggml.py: 1 F16, 30 BF16, 2 Q4_0, 3 Q4_1, 8 Q8_0); SIZE: its block's bytes;
-        # GROUP: a block's values.
+        # FORMAT: the row format's name (kernels/ggml.py PACKED_TYPES); SIZE: its block's bytes; GROUP: a
+        # block's values.
         m = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         n_ok = n < N
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         c = tl.arange(0, BLOCK_B)  # [BLOCK_B]
-        if QTYPE == 1 or QTYPE == 30:  # F16 / BF16: one value per 2 bytes (w_ptr viewed as int16)
+        if FORMAT == "F16" or FORMAT == "BF16":  # one value per 2 bytes (w_ptr viewed as int16)
             for k0 in range(0, K, BLOCK_B):
                 k = k0 + c
                 ok = n_ok[:, None] & (k < K)[None, :]
                 raw = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=ok, other=0)
-                if QTYPE == 1:
+                if FORMAT == "F16":
                     w = raw.to(tl.float16, bitcast=True).to(tl.float32)
                 else:
                     w = raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
@@ -41,7 +41,7 @@ def _kernel():
                 acc += tl.sum(w * x[None, :], axis=1)
         else:
             # A block of GROUP values: Q4_0 [d][16 nibble bytes], Q4_1 [d][m][16 bytes], Q8_0 [d][32 int8].
-            QBYTES: tl.constexpr = GROUP if QTYPE == 8 else GROUP // 2
+            QBYTES: tl.constexpr = GROUP if FORMAT == "Q8_0" else GROUP // 2
             HEAD: tl.constexpr = SIZE - QBYTES
             G = K // GROUP
             for j0 in range(0, G * QBYTES, BLOCK_B):
@@ -55,14 +55,14 @@ def _kernel():
                 d = (d0 | (d1 << 8)).to(tl.float16, bitcast=True).to(tl.float32)
                 q = tl.load(row + HEAD + b[None, :], mask=ok, other=0)
                 xk = m * stride_x + g * GROUP + b
-                if QTYPE == 8:
+                if FORMAT == "Q8_0":
                     w = d * q.to(tl.int8, bitcast=True).to(tl.float32)
                     x = tl.load(x_ptr + xk, mask=j < G * QBYTES, other=0.0).to(tl.float32)
                     acc += tl.sum(w * x[None, :], axis=1)
                 else:
                     lo = (q & 15).to(tl.float32)
                     hi = (q >> 4).to(tl.float32)
-                    if QTYPE == 2:
+                    if FORMAT == "Q4_0":
                         w_lo = d * (lo - 8.0)
                         w_hi = d * (hi - 8.0)
                     else:
@@ -82,6 +82,8 @@ def _kernel():
 def packed_linear_triton(x: torch.Tensor, data: torch.Tensor, qtype: int, k: int,
                          block_n: int = 32, block_b: int = 128) -> torch.Tensor:
     """x [M, K] (any float dtype) @ packed rows data [N, row_bytes]^T -> float32 [M, N]."""
+    if qtype not in (F16, BF16, Q4_0, Q4_1, Q8_0):
+        raise ValueError(f"the Triton kernel reads a file's row formats, not {PACKED_TYPES[qtype].name}")
     x = x.contiguous()
     if qtype in (F16, BF16):
         data = data.view(torch.int16)  # one F16 / BF16 value per element
@@ -89,5 +91,5 @@ def packed_linear_triton(x: torch.Tensor, data: torch.Tensor, qtype: int, k: int
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
     grid = (M, cdiv(N, block_n))
     _kernel()[grid](x, data, out, N, k, x.stride(0), data.stride(0), out.stride(0),
-                    QTYPE=qtype, SIZE=PACKED_TYPES[qtype].block_bytes, GROUP=GROUP, BLOCK_N=block_n, BLOCK_B=block_b)
+                    FORMAT=PACKED_TYPES[qtype].name, SIZE=PACKED_TYPES[qtype].block_bytes, GROUP=GROUP, BLOCK_N=block_n, BLOCK_B=block_b)
     return out
