@@ -211,7 +211,7 @@ def spy_scheduler(llm: LLM) -> None:
         batch = schedule()
         picked = {id(s.req) for s in batch}
         STATS["skipped decodes"] += sum(1 for r in sched.running if r.num_drafts and id(r) not in picked)
-        STATS["chunked prefills"] += sum(1 for s in batch if not s.verify)
+        STATS["chunked prefills"] += sum(1 for s in batch if not s.emits)
         return batch
 
     sched.schedule = counting_schedule

@@ -162,14 +162,14 @@ def test_sample_greedy_ignores_noise():
 def test_request_random_reproducible_and_independent_streams():
     a, b = RequestRandom(1234), RequestRandom(1234)
     assert torch.equal(uniforms([a.draft], 16), uniforms([b.draft], 16))
-    assert torch.equal(exponentials([a.verify], 100), exponentials([b.verify], 100))
+    assert torch.equal(exponentials([a.sampler], 100), exponentials([b.sampler], 100))
     c = RequestRandom(1234)
-    assert not torch.equal(uniforms([c.draft], 16), uniforms([c.verify], 16))
-    assert not torch.equal(uniforms([RequestRandom(1).verify], 16), uniforms([RequestRandom(2).verify], 16))
-    # draws on the draft stream do not move the verify stream
+    assert not torch.equal(uniforms([c.draft], 16), uniforms([c.sampler], 16))
+    assert not torch.equal(uniforms([RequestRandom(1).sampler], 16), uniforms([RequestRandom(2).sampler], 16))
+    # draws on the draft stream do not move the sampler stream
     d, e = RequestRandom(99), RequestRandom(99)
     uniforms([d.draft], 5)
-    assert torch.equal(uniforms([d.verify], 4), uniforms([e.verify], 4))
+    assert torch.equal(uniforms([d.sampler], 4), uniforms([e.sampler], 4))
 
 
 def test_request_random_independent_of_batch():
@@ -177,17 +177,17 @@ def test_request_random_independent_of_batch():
     alone = []
     for s in seeds:
         r = RequestRandom(s)
-        alone.append((uniforms([r.verify], 3)[0], exponentials([r.verify], 20)[0]))
+        alone.append((uniforms([r.sampler], 3)[0], exponentials([r.sampler], 20)[0]))
     for order in ([0, 1, 2, 3], [3, 1], [2, 0, 3]):
         rs = [RequestRandom(seeds[i]) for i in order]
-        u = uniforms([r.verify for r in rs], 3)
-        x = exponentials([r.verify for r in rs], 20, device="cpu")
+        u = uniforms([r.sampler for r in rs], 3)
+        x = exponentials([r.sampler for r in rs], 20, device="cpu")
         assert u.shape == (len(order), 3) and x.shape == (len(order), 20)
         assert u.dtype == x.dtype == torch.float32
         for row, i in enumerate(order):
             assert torch.equal(u[row], alone[i][0]) and torch.equal(x[row], alone[i][1])
     assert (x > 0).all() and ((u >= 0) & (u < 1)).all()
-    assert uniforms([], 4).shape == (0, 4) and uniforms([RequestRandom(0).verify], 0).shape == (1, 0)
+    assert uniforms([], 4).shape == (0, 4) and uniforms([RequestRandom(0).sampler], 0).shape == (1, 0)
 
 
 def test_finite_fast_path_equals_sanitising_path():

@@ -162,7 +162,7 @@ def test_tight_budget_skips_and_still_equals_transformers(hf_outputs):
         batch = schedule()
         chosen = {id(s.req) for s in batch}
         skipped.append(sum(r.num_drafts > 0 and id(r) not in chosen for r in sched.running))
-        chunks.append(sum(not s.verify for s in batch))
+        chunks.append(sum(not s.emits for s in batch))
         return batch
 
     sched.schedule = spy

@@ -69,7 +69,7 @@ class Engine:
                 config.max_num_seqs, self.k, vocab_size, dtype=torch.float32, fill=0.0,
                 device=self.device, sharded=sharded,
             )
-        self.verify = Verifier(target, self.draft_logits, self.k, vocab_size, self.observer)
+        self.verifier = Verifier(target, self.draft_logits, self.k, vocab_size, self.observer)
         self._num_arrived = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -138,9 +138,9 @@ class Engine:
         if not scheduled:
             return []
         t0, forward_s0 = time.perf_counter(), self._forward_s()
-        verified = [s for s in scheduled if s.verify]
+        verified = [s for s in scheduled if s.emits]
         speculative = any(s.req.num_drafts for s in verified)
-        verdict = self.verify(scheduled)
+        verdict = self.verifier(scheduled)
         outputs = self._accept(verified, verdict) if verdict is not None else []
         to_draft = [s.req for s in verified if not s.req.finished] if self.proposer is not None else []
         ks = self._draft(to_draft) if to_draft else []

@@ -9,11 +9,11 @@ from minispec.engine.request import Request
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """A request's share of one step: `num_tokens` prompt/output tokens, then its drafts if `verify`."""
+    """A request's share of one step: `num_tokens` prompt/output tokens, then its drafts if it `emits`."""
 
     req: Request
     num_tokens: int  # tokens from req.token_ids[req.num_computed:] fed this step
-    verify: bool  # this step reaches the end of token_ids: its drafts are verified and a token sampled
+    emits: bool  # this step reaches the end of token_ids: its drafts are verified and a token sampled
 
 
 class Scheduler:
@@ -60,11 +60,11 @@ class Scheduler:
                 break
             full = req.num_uncomputed + req.num_drafts
             if full <= budget:
-                batch.append(ScheduledRequest(req, req.num_uncomputed, verify=True))
+                batch.append(ScheduledRequest(req, req.num_uncomputed, emits=True))
                 budget -= full
             elif req.num_drafts == 0 and req.num_uncomputed > 1:
                 # A prompt: prefill the chunk that fits.
-                batch.append(ScheduledRequest(req, budget, verify=False))
+                batch.append(ScheduledRequest(req, budget, emits=False))
                 budget = 0
             # else: a decode with drafts that does not fit: skipped, keeps its drafts.
         for s in batch:

@@ -55,13 +55,13 @@ class Verifier:
             r = s.req
             q = r.token_ids[r.num_computed : r.num_computed + s.num_tokens]
             n = 0
-            if s.verify:
+            if s.emits:
                 n = 1 + r.num_drafts
                 if r.num_drafts:
                     q = q + [max(int(d), 0) for d in r.drafts]  # a -1 placeholder feeds token 0; never accepted
             queries.append(q)
             # prompt_logprobs: the fed prompt positions before the verified one predict prompt tokens
-            p = s.num_tokens - s.verify if r.prompt_logprobs is not None and r.num_computed < r.num_prompt_tokens else 0
+            p = s.num_tokens - s.emits if r.prompt_logprobs is not None and r.num_computed < r.num_prompt_tokens else 0
             num_prompt.append(p)
             num_logits.append(p + n)
         logits = self.target.forward(
@@ -71,9 +71,9 @@ class Verifier:
         if any(num_prompt):
             logits = self._score_prompts(scheduled, num_prompt, num_logits, logits)
         for s in scheduled:
-            if not s.verify:
+            if not s.emits:
                 s.req.num_computed += s.num_tokens
-        reqs = [s.req for s in scheduled if s.verify]
+        reqs = [s.req for s in scheduled if s.emits]
         if not reqs:
             return None
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
@@ -81,7 +81,7 @@ class Verifier:
         num_logits_v = np.array([1 + r.num_drafts for r in reqs], dtype=np.int64)
         logits = to_owners(self.tp, logits, np.repeat(owners, num_logits_v))[:, : self.vocab_size]
         # Every rank draws every request's randomness (streams stay in step), owners use theirs.
-        u, noise = verify_draws([None if r.params.greedy else r.random.verify for r in reqs], self.k, self.vocab_size)
+        u, noise = verify_draws([None if r.params.greedy else r.random.sampler for r in reqs], self.k, self.vocab_size)
         mine = owners == self.tp.rank_in_group
         if not mine.all():
             u, noise = u[torch.from_numpy(mine)], noise[torch.from_numpy(mine)]

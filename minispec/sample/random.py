@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 DRAFT_STREAM = 0
-VERIFY_STREAM = 1
+SAMPLER_STREAM = 1
 
 
 def _stream_seed(seed: int, stream: int) -> int:
@@ -17,12 +17,12 @@ def _stream_seed(seed: int, stream: int) -> int:
 
 
 class RequestRandom:
-    """Two independent CPU generators from one seed: `draft` (draft sampling) and `verify` (rejection sampler)."""
+    """Two independent CPU generators from one seed: `draft` (draft sampling) and `sampler` (the rejection sampler)."""
 
     def __init__(self, seed: int):
         self.seed = int(seed)
         self.draft = torch.Generator().manual_seed(_stream_seed(self.seed, DRAFT_STREAM))
-        self.verify = torch.Generator().manual_seed(_stream_seed(self.seed, VERIFY_STREAM))
+        self.sampler = torch.Generator().manual_seed(_stream_seed(self.seed, SAMPLER_STREAM))
 
     def __repr__(self) -> str:
         return f"RequestRandom(seed={self.seed})"

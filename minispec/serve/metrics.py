@@ -49,6 +49,8 @@ class ServerMetrics:
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 names + ["finished_reason"], registry=self.registry)
         self._labels = labels
+        # vLLM's metric names; its "num_drafts" is minispec's num_spec_verifications (Request.num_drafts is
+        # a request's pending draft tokens)
         self.num_spec_verifications = make(Counter, "vllm:spec_decode_num_drafts",
                                            "Verifications with at least one draft.")
         self.num_draft_tokens = make(Counter, "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
