@@ -1,5 +1,6 @@
 """The packed linear op over a model's matrices back to back (one decode step's worth of weight products), by
-activation rows: this checkout's kernels, and optionally another checkout's side by side.
+activation rows: this checkout's kernels on the weights as loaded (Q4 rows split where the kernels read them
+so) and on the file's layout, and optionally another checkout's kernels (on the file's layout) side by side.
 
     .venv/bin/python scripts/packed_kernels.py [--rows 1,2,5,16] [--reps 5] [--threads 2]
         [--target smollm2-135m-instruct] [--baseline OTHER_CHECKOUT/minispec/kernels]
@@ -21,7 +22,7 @@ import torch
 
 from minispec.kernels import build_cpp
 from minispec.kernels.cpu import CFLAGS, SOURCES, ops
-from minispec.layers.quant import PackedWeight
+from minispec.layers.quant import PackedWeight, type_name
 from minispec.models.loader import load_model
 
 
@@ -52,39 +53,48 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="another checkout's minispec/kernels directory, built beside this one")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    builds = {"this": ops()}
-    if builds["this"] is None:
+    this = ops()
+    if this is None:
         raise SystemExit("the C++ kernels could not be built here")
     if args.baseline:
         srcs = [args.baseline / s.name for s in SOURCES]
         if missing := [str(s) for s in srcs if not s.is_file()]:
             raise SystemExit(f"--baseline: missing {', '.join(missing)}")
-        builds["baseline"] = build_cpp("cpu_baseline", srcs, CFLAGS, "the baseline's kernels")
+        baseline = build_cpp("cpu_baseline", srcs, CFLAGS, "the baseline's kernels")
     model = load_model(args.target, dtype=torch.float32, device="cpu", packed=True).model
-    ws = packed_weights(model)
-    if not ws:
+    loaded = packed_weights(model)
+    if not loaded:
         raise SystemExit(f"{args.target} has no packed weights (load a .gguf)")
+    files = [w.joined() for w in loaded]
+    # (name, build, weights): the loaded layout, the file's, and the baseline's build on the file's
+    builds = [("loaded", this, loaded)]
+    if any(w.qtype != f.qtype for w, f in zip(loaded, files)):
+        builds.append(("file", this, files))
+    if args.baseline:
+        builds.append(("baseline", baseline, files))
+    ws = loaded
     nbytes = sum(w.data.numel() for w in ws)
-    print(f"{args.target}: {len(ws)} packed matrices, {nbytes / 1e6:.1f} MB; ISA {builds['this'].PACKED_ISA}, "
-          f"{args.threads} threads")
+    kinds = sorted({type_name(w.qtype) for w in loaded})
+    print(f"{args.target}: {len(ws)} packed matrices ({', '.join(kinds)}), {nbytes / 1e6:.1f} MB; "
+          f"ISA {this.PACKED_ISA}, {args.threads} threads")
     g = torch.Generator().manual_seed(0)
     for M in (int(r) for r in args.rows.split(",")):
         xs = [torch.randn(M, w.in_features, generator=g) for w in ws]
-        times = {name: [] for name in builds}
+        times = {name: [] for name, _, _ in builds}
         for _ in range(args.reps):
-            for name, ext in builds.items():
+            for name, ext, wl in builds:
                 t = time.perf_counter()
-                for x, w in zip(xs, ws):
+                for x, w in zip(xs, wl):
                     ext.packed_linear(x, w.data, w.qtype, w.in_features)
                 times[name].append(time.perf_counter() - t)
         macs = M * sum(w.shape[0] * w.shape[1] for w in ws)
         cols = []
-        for name, ext in builds.items():
+        for name, ext, wl in builds:
             s = statistics.median(times[name])
             cols.append(f"{name} {s * 1e3:7.2f} ms {macs / s / 1e9:5.1f} GMAC/s {nbytes / s / 1e9:5.1f} GB/s "
-                        f"err {max_rel_err(ext, xs, ws):.1e}")
-        if "baseline" in builds:
-            cols.append(f"this / baseline {statistics.median(times['this']) / statistics.median(times['baseline']):.2f}x")
+                        f"err {max_rel_err(ext, xs, wl):.1e}")
+        for name, _, _ in builds[1:]:
+            cols.append(f"loaded / {name} {statistics.median(times['loaded']) / statistics.median(times[name]):.2f}x")
         print(f"M={M:3d}  " + "  |  ".join(cols), flush=True)
 
 

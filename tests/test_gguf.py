@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
+from minispec.kernels.cpu import ops
+from minispec.kernels.ggml import Q4_1, Q4_1_SPLIT, Q8_0
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from minispec.layers.quant import PackedWeight
 from minispec.models.errors import ModelLoadError
@@ -62,6 +64,26 @@ def test_packed_model_equals_float32_model(qtype, tmp_path):
     run(packed, kv, [0], [0], [ids[:20]])
     step = run(packed, kv, [0], [20], [ids[20:]])[0]  # 4 rows
     assert (step - ours[20:]).abs().max().item() <= 1e-4
+    for i in range(20, 24):  # one row at a time (the split rows' one-row kernel where the build has it)
+        assert (run(packed, kv, [0], [i], [ids[i : i + 1]])[0] - ours[i]).abs().max().item() <= 1e-4
+
+
+def test_q4_layers_load_in_the_kernels_layout(tmp_path, monkeypatch):
+    """Q4 layers load split where the AVX-512 one-row kernel reads them so (the embedding's Q8_0 stays), with the
+    file's values: the same logits as the file's layout (MINISPEC_FILE_LAYOUT=1), abs 1e-5."""
+    path = make_tiny_gguf(tmp_path / "m.gguf", "Q4_1", types={"token_embd.weight": "Q8_0"})
+    split = load_model(path, dtype=torch.float32, device="cpu").model
+    monkeypatch.setenv("MINISPEC_FILE_LAYOUT", "1")
+    file = load_model(path, dtype=torch.float32, device="cpu").model
+    w = split.layers[0].gate_up_proj.weight
+    assert file.layers[0].gate_up_proj.weight.qtype == Q4_1 and split.embed_tokens.weight.qtype == Q8_0
+    assert w.qtype == (Q4_1_SPLIT if ops() is not None and ops().PACKED_SPLIT else Q4_1)
+    assert torch.equal(w.dequantize(), file.layers[0].gate_up_proj.weight.dequantize())
+    ids = prompt(12, seed=3)
+    for M in (12, 1):
+        a = run(split, new_kv(split), [0], [0], [ids[:M]])[0]
+        b = run(file, new_kv(file), [0], [0], [ids[:M]])[0]
+        assert (a - b).abs().max().item() <= 1e-5
 
 
 def rank(r: int, tp: int):

@@ -9,10 +9,12 @@ from gguf import GGML_QUANT_SIZES, quants
 
 from minispec.kernels import build_cpp
 from minispec.kernels.cpu import CFLAGS, SOURCES, ops
-from minispec.kernels.ggml import PACKED_TYPES
-from minispec.layers.quant import PackedWeight, dequantize_ref, linear, linear_ref
+from minispec.kernels.ggml import PACKED_TYPES, SPLIT_OF, file_type
+from minispec.layers.quant import PackedWeight, dequantize_ref, join_rows, kernel_layout, linear, linear_ref
 
 TYPES = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0, "F16": T.F16, "BF16": T.BF16}
+SPLIT = {"Q4_0 split": "Q4_0", "Q4_1 split": "Q4_1"}  # the memory-only layouts, made from gguf's rows
+LAYOUTS = list(TYPES) + list(SPLIT)
 # Activation rows that reach each path of the C++ op: one row; AVX-512 tiles of 4 weight rows (2-5 rows of x),
 # of 2 (6-8), 8 and a remainder (9, 17), chunks of 64 rows of x (70); AVX2 tiles of 8 and 4; and, past the
 # packed op's limit (PACKED_MAX_ROWS: 48 or 256), the dequantised weight's GEMM.
@@ -20,7 +22,10 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 70, 258]
 
 
 def packed(name: str, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, np.ndarray]:
-    """A random [n, k] weight quantised by gguf, and gguf's own dequantisation of it."""
+    """A random [n, k] weight quantised by gguf (split for a SPLIT name), and gguf's own dequantisation of it."""
+    if name in SPLIT:
+        w, ref = packed(SPLIT[name], n, k, seed)
+        return w.split(), ref
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02).astype(np.float32)
     raw = quants.quantize(w, TYPES[name])  # [n, row bytes] uint8 (F16: float16, BF16: uint16 values)
@@ -33,15 +38,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_dequantize_matches_gguf(name):
     w, ref = packed(name, 7, 96)
     assert torch.equal(dequantize_ref(w.data, w.qtype, 96), torch.from_numpy(ref))
     assert torch.equal(w.dequantize(), torch.from_numpy(ref))  # the C++ op where built
 
 
-@pytest.mark.parametrize("name", list(TYPES))
-@pytest.mark.parametrize("n,k", [(37, 96), (5, 160)])
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("n,k", [(37, 96), (5, 160), (9, 576)])
 @pytest.mark.parametrize("rows", ROWS)
 def test_packed_linear_equals_float32_layer(name, n, k, rows):
     """Packed layer == F.linear over the dequantised weight, rel tol 1e-5 (summation order only)."""
@@ -107,7 +112,7 @@ def test_packed_linear_bias_and_bf16_activations():
     assert y.dtype == torch.bfloat16 and y.shape == (2, 11)
 
 
-@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_tp_shards_split_on_blocks(name):
     """Row shards (column-parallel) and block-aligned column shards (row-parallel) are the dequantised slices."""
     w, ref = packed(name, 8, 128)
@@ -117,7 +122,7 @@ def test_tp_shards_split_on_blocks(name):
     assert rel_err(linear(x, w.cols(32, 64)), F.linear(x, torch.from_numpy(ref[:, 32:96]))) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_1 split"])
 def test_misaligned_column_shard_is_an_error(name):
     w, _ = packed(name, 4, 96)
     with pytest.raises(ValueError, match="not block-aligned"):
@@ -137,8 +142,10 @@ def test_cpp_kernel_built():
 
 def test_one_block_table():
     """kernels/ggml.py's formats are gguf's (names, values and bytes per block) and the C++ kernels' own table."""
-    assert {t: (f.name, f.block_values, f.block_bytes) for t, f in PACKED_TYPES.items()} == \
-        {int(t): (T(t).name, *GGML_QUANT_SIZES[T(t)]) for t in PACKED_TYPES}
+    files = {t: f for t, f in PACKED_TYPES.items() if file_type(t) == t}
+    assert {t: (f.name, f.block_values, f.block_bytes) for t, f in files.items()} == \
+        {int(t): (T(t).name, *GGML_QUANT_SIZES[T(t)]) for t in files}
+    assert all(PACKED_TYPES[s][1:] == PACKED_TYPES[t][1:] for t, s in SPLIT_OF.items())  # same bytes per block
     assert {t: (b, v) for t, b, v in ops().block_formats()} == \
         {t: (f.block_bytes, f.block_values) for t, f in PACKED_TYPES.items()}
 
@@ -151,7 +158,7 @@ def test_narrower_builds_equal_float32_layer(isa, flags):
         pytest.skip(f"this CPU's own build is the {isa} one (or none): the other tests run it")
     ext = build_cpp(f"cpu_{isa}", SOURCES, CFLAGS + flags, f"the {isa} C++ kernels")
     assert ext is not None and ext.PACKED_ISA == isa
-    for name in TYPES:
+    for name in LAYOUTS:
         w, ref = packed(name, 37, 96, seed=1)
         for rows in ROWS[:-1]:
             x = torch.randn(rows, 96)
@@ -192,3 +199,30 @@ def test_a_stale_build_lock_is_cleared(tmp_path, capsys):
     assert clear_stale_lock(tmp_path) and not lock.exists()
     assert "removed a stale build lock" in capsys.readouterr().err
     assert not clear_stale_lock(tmp_path)  # no lock: nothing to do
+
+
+@pytest.mark.parametrize("name", list(SPLIT))
+def test_split_rows_hold_the_files_bytes(name):
+    """split_rows only reorders a row's bytes: join_rows gives the file's rows back, and kernel_layout splits
+    exactly where the one-row kernel reads split rows (the AVX-512 build)."""
+    w, _ = packed(SPLIT[name], 6, 320)
+    s = w.split()
+    assert s.qtype == SPLIT_OF[w.qtype] and s.data.shape == w.data.shape
+    assert torch.equal(join_rows(s.data, s.qtype), w.data) and torch.equal(s.joined().data, w.data)
+    assert torch.equal(torch.sort(s.data.flatten()).values, torch.sort(w.data.flatten()).values)
+    assert kernel_layout(w).qtype == (s.qtype if ops() is not None and ops().PACKED_SPLIT else w.qtype)
+    assert s.to("cpu").qtype == s.qtype
+
+
+@pytest.mark.parametrize("name", list(SPLIT))
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 18, 48])
+def test_split_one_row_kernel_every_run_and_tail(name, blocks):
+    """The split rows' one-row kernel (runs of 4 blocks, then the rest one at a time, the minima 16 blocks per
+    step) against the float64 layer over gguf's dequantisation, large and tiny activations, rel tol 1e-6 of
+    sum |w x|."""
+    w, ref = packed(name, 13, 32 * blocks, seed=blocks)
+    g = torch.Generator().manual_seed(blocks)
+    x = torch.randn(1, 32 * blocks, generator=g) * torch.logspace(-6, 6, 32 * blocks)[torch.randperm(32 * blocks, generator=g)]
+    wd = torch.from_numpy(ref).double()
+    err = (linear(x, w).double() - x.double() @ wd.T).abs() / (x.double().abs() @ wd.abs().T)
+    assert float(err.max()) < 1e-6

@@ -7,12 +7,18 @@
 // GGML type ids (ggml.h) and the packed formats' blocks: the C++ twin of kernels/ggml.py's table
 // (tests/test_quant.py checks them equal). F32 also names a dense float32 weight (decode_layers' qtypes).
 constexpr int64_t F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30;
+// Memory-only layouts of Q4_0 / Q4_1 rows, never in a file (kernels/ggml.py describes them): a row of G blocks
+// holds the G blocks' 16 code bytes each, then their G float16 scales, then (Q4_1) their G float16 minima.
+constexpr int64_t Q4_0_SPLIT = 1002, Q4_1_SPLIT = 1003;
 constexpr int64_t GROUP = 32;  // values per block of the quantised formats
 struct BlockFormat {
   int64_t type, bytes, values;  // a block's bytes and the values it holds (F16 / BF16: one value)
 };
 constexpr BlockFormat BLOCK_FORMATS[] = {
-    {Q4_0, 18, GROUP}, {Q4_1, 20, GROUP}, {Q8_0, 34, GROUP}, {F16, 2, 1}, {BF16, 2, 1}};
+    {Q4_0, 18, GROUP}, {Q4_1, 20, GROUP}, {Q8_0, 34, GROUP}, {F16, 2, 1}, {BF16, 2, 1},
+    {Q4_0_SPLIT, 18, GROUP}, {Q4_1_SPLIT, 20, GROUP}};
+// The file format whose values a layout holds (a split layout's; the type itself otherwise).
+constexpr int64_t file_type(int64_t qtype) { return qtype == Q4_0_SPLIT ? Q4_0 : qtype == Q4_1_SPLIT ? Q4_1 : qtype; }
 // qtype's format; {-1, 0, 0} where it is not a packed one.
 constexpr BlockFormat block_format(int64_t qtype) {
   for (const BlockFormat& f : BLOCK_FORMATS)
@@ -23,9 +29,12 @@ constexpr BlockFormat block_format(int64_t qtype) {
 std::vector<std::vector<int64_t>> block_formats();
 
 // The packed kernels' instruction set ("avx512", "avx2" or "portable") and the activation rows up to which
-// packed_linear beats dequantising the weight for one float32 GEMM (layers/quant.py reads both).
+// packed_linear beats dequantising the weight for one float32 GEMM (layers/quant.py reads both). Every path
+// takes every layout.
 extern const char* const PACKED_ISA;
 extern const int64_t PACKED_MAX_ROWS;
+// Whether the one-row kernel reads Q4_0 / Q4_1 rows fastest split (layers/quant.py's kernel_layout).
+extern const bool PACKED_SPLIT;
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor packed_dequantize(torch::Tensor w, int64_t qtype, int64_t K);

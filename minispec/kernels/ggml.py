@@ -1,7 +1,7 @@
 """The GGML weight formats minispec reads: their type ids (ggml.h) and block sizes, the one Python table.
 
-kernels/packed_cpu.cpp holds the same table in C++ (``BLOCK_FORMATS``, exported as ``block_formats()``);
-tests/test_quant.py checks the two equal, and both equal to the gguf package's.
+kernels/cpu_ops.h holds the same table in C++ (``BLOCK_FORMATS``, exported as ``block_formats()``);
+tests/test_quant.py checks the two equal, and the file formats equal to the gguf package's.
 """
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ from typing import NamedTuple
 
 # GGML type ids. F32 also stands for a dense float32 weight where a qtype is asked for (decode_layers' qtypes).
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+# Memory-only layouts, never in a file: Q4_0 / Q4_1 rows split for the AVX-512 one-row kernel. A row of G blocks
+# holds the blocks' 16 code bytes each (as the file has them), then their G float16 scales, then (Q4_1) their G
+# float16 minima: the same bytes and values as the file's row, in another order (layers/quant.py's split_rows).
+Q4_0_SPLIT, Q4_1_SPLIT = 1002, 1003
+SPLIT_OF = {Q4_0: Q4_0_SPLIT, Q4_1: Q4_1_SPLIT}
 GROUP = 32  # values per block of the quantised formats
 
 
@@ -27,5 +32,12 @@ PACKED_TYPES: dict[int, BlockFormat] = {
     Q8_0: BlockFormat("Q8_0", 34, GROUP),
     F16: BlockFormat("F16", 2, 1),
     BF16: BlockFormat("BF16", 2, 1),
+    Q4_0_SPLIT: BlockFormat("Q4_0 split", 18, GROUP),
+    Q4_1_SPLIT: BlockFormat("Q4_1 split", 20, GROUP),
 }
-BLOCK_TYPES = (Q4_0, Q4_1, Q8_0)  # the quantised ones: rows are whole blocks
+BLOCK_TYPES = (Q4_0, Q4_1, Q8_0, Q4_0_SPLIT, Q4_1_SPLIT)  # the quantised ones: rows are whole blocks
+
+
+def file_type(qtype: int) -> int:
+    """The file format whose values a layout holds: a split layout's, else the type itself."""
+    return next((t for t, s in SPLIT_OF.items() if s == qtype), qtype)

@@ -24,9 +24,23 @@
 
 namespace {
 
-// Bytes per block of a block type (the SIMD paths' template argument).
+// Bytes per block of a block type (the SIMD paths' template argument), and the file format of its values.
 template <int64_t QT>
 constexpr int64_t GB = block_format(QT).bytes;
+template <int64_t QT>
+constexpr int64_t FT = file_type(QT);
+
+// Where block g of a packed row of G blocks keeps its scale d, its minimum m (Q4_1) and its codes: inside the
+// block in a file's layout; in the row's runs of codes, scales and minima in a split one (cpu_ops.h).
+template <int64_t QT>
+struct Blocks {
+  static constexpr bool SPLIT = FT<QT> != QT;
+  const uint8_t* row;
+  int64_t G;
+  const uint8_t* scale(int64_t g) const { return SPLIT ? row + 16 * G + 2 * g : row + g * GB<QT>; }
+  const uint8_t* minimum(int64_t g) const { return SPLIT ? row + 18 * G + 2 * g : row + g * GB<QT> + 2; }
+  const uint8_t* codes(int64_t g) const { return SPLIT ? row + 16 * g : row + g * GB<QT> + (FT<QT> == Q4_1 ? 4 : 2); }
+};
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -60,26 +74,31 @@ int64_t row_bytes(int64_t qtype, int64_t K) {
   return K / f.values * f.bytes;
 }
 
+// Unpack a 4-bit row (Q4_0, Q4_1 or a split layout of them): w[G * 32] codes, d[G], m[G] (zero unless Q4_1).
+template <int64_t QT>
+void unpack_q4_row(const uint8_t* row, int64_t G, float* w, float* d, float* m) {
+  const Blocks<QT> b{row, G};
+  const float shift = FT<QT> == Q4_0 ? -8.0f : 0.0f;
+  for (int64_t g = 0; g < G; g++) {
+    d[g] = half_to_float(b.scale(g));
+    m[g] = FT<QT> == Q4_1 ? half_to_float(b.minimum(g)) : 0.0f;
+    const uint8_t* qs = b.codes(g);
+    float* wg = w + g * GROUP;
+    for (int j = 0; j < 16; j++) {
+      wg[j] = (float)(qs[j] & 15) + shift;
+      wg[j + 16] = (float)(qs[j] >> 4) + shift;
+    }
+  }
+}
+
 // Unpack one row: w[G * 32] codes (zero past K), d[G], m[G] (zero unless Q4_1).
 void unpack_row(int64_t qtype, const uint8_t* row, int64_t K, float* w, float* d, float* m) {
   const int64_t G = (K + GROUP - 1) / GROUP;
   switch (qtype) {
-    case Q4_0: case Q4_1: {
-      const int64_t gb = block_format(qtype).bytes, off = qtype == Q4_1 ? 4 : 2;
-      const float shift = qtype == Q4_0 ? -8.0f : 0.0f;
-      for (int64_t g = 0; g < G; g++) {
-        const uint8_t* b = row + g * gb;
-        d[g] = half_to_float(b);
-        m[g] = qtype == Q4_1 ? half_to_float(b + 2) : 0.0f;
-        const uint8_t* qs = b + off;
-        float* wg = w + g * GROUP;
-        for (int j = 0; j < 16; j++) {
-          wg[j] = (float)(qs[j] & 15) + shift;
-          wg[j + 16] = (float)(qs[j] >> 4) + shift;
-        }
-      }
-      break;
-    }
+    case Q4_0: return unpack_q4_row<Q4_0>(row, G, w, d, m);
+    case Q4_1: return unpack_q4_row<Q4_1>(row, G, w, d, m);
+    case Q4_0_SPLIT: return unpack_q4_row<Q4_0_SPLIT>(row, G, w, d, m);
+    case Q4_1_SPLIT: return unpack_q4_row<Q4_1_SPLIT>(row, G, w, d, m);
     case Q8_0: {
       for (int64_t g = 0; g < G; g++) {
         const uint8_t* b = row + g * GB<Q8_0>;
@@ -145,22 +164,22 @@ inline void dot_rows(const float* w, const float* d, int64_t G, const float* x, 
 // minimum m (0 unless Q4_1). Q4 codes are widened a byte (two codes) per 32-bit lane and split
 // with a mask and a shift: two shuffles per block, where widening each half-byte costs four.
 template <int64_t QT>
-inline void load_block(const uint8_t* b, __m256 w[4], float& d, float& m) {
-  d = half_to_float(b);
+inline void load_block(Blocks<QT> b, int64_t g, __m256 w[4], float& d, float& m) {
+  d = half_to_float(b.scale(g));
   if constexpr (QT == Q8_0) {
     m = 0.0f;
     for (int i = 0; i < 4; i++)
-      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i))));
+      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.codes(g) + 8 * i))));
   } else {
-    m = QT == Q4_1 ? half_to_float(b + 2) : 0.0f;
-    const uint8_t* qs = b + (QT == Q4_1 ? 4 : 2);
+    m = FT<QT> == Q4_1 ? half_to_float(b.minimum(g)) : 0.0f;
+    const uint8_t* qs = b.codes(g);
     const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
     const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
     const __m256i mask = _mm256_set1_epi32(15);
     __m256i q[4] = {_mm256_and_si256(lo, mask), _mm256_and_si256(hi, mask), _mm256_srli_epi32(lo, 4),
                     _mm256_srli_epi32(hi, 4)};
     for (int i = 0; i < 4; i++) {
-      if constexpr (QT == Q4_0) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(8));  // codes q - 8 in [-8, 7]
+      if constexpr (FT<QT> == Q4_0) q[i] = _mm256_sub_epi32(q[i], _mm256_set1_epi32(8));  // codes q - 8 in [-8, 7]
       w[i] = _mm256_cvtepi32_ps(q[i]);
     }
   }
@@ -207,11 +226,11 @@ inline void block_row_dot(const uint8_t* row, int64_t G, const float* x, int64_t
     ahead.part(g);
     __m256 w[4];
     float d, m;
-    load_block<QT>(row + g * GB<QT>, w, d, m);
+    load_block<QT>(Blocks<QT>{row, G}, g, w, d, m);
     const __m256 dg = _mm256_set1_ps(d), mg = _mm256_set1_ps(m);
     for (int i = 0; i < 4; i++) {
       w[i] = _mm256_mul_ps(dg, w[i]);
-      if constexpr (QT == Q4_1) w[i] = _mm256_add_ps(w[i], mg);
+      if constexpr (FT<QT> == Q4_1) w[i] = _mm256_add_ps(w[i], mg);
     }
     for (int r = 0; r < RT; r++) {
       const float* xg = x + r * ldx + g * GROUP;
@@ -238,9 +257,9 @@ inline void block_rows_dot(const uint8_t* rows, int64_t wstride, int64_t G, cons
     for (int j = 0; j < NT; j++) {
       __m256 w[4];
       float d, m;
-      load_block<QT>(rows + j * wstride + g * GB<QT>, w, d, m);
+      load_block<QT>(Blocks<QT>{rows + j * wstride, G}, g, w, d, m);
       acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), block_dot(w, xv), acc[j]);
-      if constexpr (QT == Q4_1) macc[j] += m * sx[g];
+      if constexpr (FT<QT> == Q4_1) macc[j] += m * sx[g];
     }
   }
   for (int j = 0; j < NT; j++) out[j] = hsum(acc[j]) + macc[j];
@@ -288,12 +307,12 @@ void block_dequant(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t en
     for (int64_t g = 0; g < G; g++) {
       __m256 w[4];
       float d, m;
-      load_block<QT>(wd + n * wstride + g * GB<QT>, w, d, m);
+      load_block<QT>(Blocks<QT>{wd + n * wstride, G}, g, w, d, m);
       const __m256 dg = _mm256_set1_ps(d), mg = _mm256_set1_ps(m);
       float* o = out + (n * G + g) * GROUP;
       for (int i = 0; i < 4; i++) {
         __m256 v = _mm256_mul_ps(dg, w[i]);
-        if constexpr (QT == Q4_1) v = _mm256_add_ps(v, mg);
+        if constexpr (FT<QT> == Q4_1) v = _mm256_add_ps(v, mg);
         _mm256_storeu_ps(o + 8 * i, v);
       }
     }
@@ -307,22 +326,22 @@ void block_dequant(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t en
 // lane, index it with one permute per vector (vpermps reads the low 4 bits: the low nibble as is, the
 // high one after a shift).
 template <int64_t QT>
-inline void load_block16(const uint8_t* b, __m512& lo, __m512& hi) {
+inline void load_block16(Blocks<QT> b, int64_t g, __m512& lo, __m512& hi) {
   uint16_t h;
-  std::memcpy(&h, b, 2);
+  std::memcpy(&h, b.scale(g), 2);
   const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)h));
   if constexpr (QT == Q8_0) {
-    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))));
-    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))));
+    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.codes(g))))));
+    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.codes(g) + 16)))));
   } else {
-    const __m512 codes = QT == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                                    : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 codes = FT<QT> == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                        : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 table = _mm512_mul_ps(codes, d);
-    if constexpr (QT == Q4_1) {
-      std::memcpy(&h, b + 2, 2);
+    if constexpr (FT<QT> == Q4_1) {
+      std::memcpy(&h, b.minimum(g), 2);
       table = _mm512_add_ps(table, _mm512_cvtph_ps(_mm256_set1_epi16((short)h)));
     }
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (QT == Q4_1 ? 4 : 2))));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.codes(g))));
     lo = _mm512_permutexvar_ps(q, table);
     hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
   }
@@ -333,6 +352,7 @@ inline void load_block16(const uint8_t* b, __m512& lo, __m512& hi) {
 // block for the NT rows.
 template <int64_t QT, int NT>
 inline void rows_dot_512(const uint8_t* rows, int64_t wstride, int64_t G, const float* x, const float* sx, float* out) {
+  static_assert(!Blocks<QT>::SPLIT, "split rows take rows_dot_split");
   __m512 acc[NT];
   float macc[NT];
   for (int j = 0; j < NT; j++) { acc[j] = _mm512_setzero_ps(); macc[j] = 0.0f; }
@@ -362,6 +382,77 @@ inline void rows_dot_512(const uint8_t* rows, int64_t wstride, int64_t G, const 
   for (int j = 0; j < NT; j++) out[j] = _mm512_reduce_add_ps(acc[j]) + macc[j];
 }
 
+// Nibble P (0-4) of every 32-bit lane of v as an exact float: the nibble as mantissa bits 4P .. 4P + 3 of 2^e,
+// e = 23 - 4P (whose mantissa unit is 2^-4P), minus 2^e. One bit operation and one subtraction, neither of
+// them on the multiply pipes or the shuffle unit.
+template <int P>
+inline __m512 nibble(__m512i v) {
+  const __m512i e = _mm512_set1_epi32((127 + 23 - 4 * P) << 23);
+  const __m512i bits = _mm512_ternarylogic_epi32(v, _mm512_set1_epi32(15 << (4 * P)), e, 0xEA);  // (v & mask) | e
+  return _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_castsi512_ps(e));
+}
+
+// x in the order rows_dot_split reads codes: for each run c of 4 blocks (128 values), xp[128 c + 16 p + l] is
+// the value whose code is nibble p of 32-bit lane l of the run's 64 code bytes: code 4 (l % 4) + p / 2 +
+// 16 (p % 2) of block l / 4 (nibbles 5-7 are read as nibbles 2-4 of the lanes shifted by 12 bits).
+void split_order(const float* x, int64_t G, float* xp) {
+  for (int64_t c = 0; c < G / 4; c++)
+    for (int p = 0; p < 8; p++)
+      for (int l = 0; l < 16; l++) xp[128 * c + 16 * p + l] = x[128 * c + 32 * (l / 4) + 4 * (l % 4) + p / 2 + 16 * (p % 2)];
+}
+
+// One activation row against NT split rows (Q4_0_SPLIT, Q4_1_SPLIT): out[j] = x . row j, as
+// sum_g d_g (q_g . x_g) + sum_g m_g sx_g (Q4_0: m_g = -8 d_g). A run of 4 blocks is one 64-byte load of codes,
+// 8 nibble extractions and 8 FMAs against xp (split_order), and one FMA with the 4 scales, each over its
+// block's 4 lanes; the G % 4 blocks past the last run go one at a time against x; the minima's term is 16
+// blocks per FMA.
+template <int64_t QT, int NT>
+inline void rows_dot_split(const uint8_t* rows, int64_t wstride, int64_t G, const float* xp, const float* x,
+                           const float* sx, float* out) {
+  static_assert(Blocks<QT>::SPLIT, "file layouts take rows_dot_512");
+  const int64_t runs = G / 4;
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // lane -> its block
+  __m512 acc[NT];
+  for (int j = 0; j < NT; j++) acc[j] = _mm512_setzero_ps();
+  const Prefetch ahead(rows + 2 * NT * wstride, NT * wstride, std::max<int64_t>(runs, 1));  // the tile after next
+  for (int64_t c = 0; c < runs; c++) {
+    ahead.part(c);
+    const float* xc = xp + 128 * c;
+    for (int j = 0; j < NT; j++) {
+      const uint8_t* row = rows + j * wstride;
+      const __m512i v = _mm512_loadu_si512(row + 64 * c), w = _mm512_srli_epi32(v, 12);
+      __m512 p0 = _mm512_mul_ps(nibble<0>(v), _mm512_loadu_ps(xc));
+      __m512 p1 = _mm512_mul_ps(nibble<1>(v), _mm512_loadu_ps(xc + 16));
+      p0 = _mm512_fmadd_ps(nibble<2>(v), _mm512_loadu_ps(xc + 32), p0);
+      p1 = _mm512_fmadd_ps(nibble<3>(v), _mm512_loadu_ps(xc + 48), p1);
+      p0 = _mm512_fmadd_ps(nibble<4>(v), _mm512_loadu_ps(xc + 64), p0);
+      p1 = _mm512_fmadd_ps(nibble<2>(w), _mm512_loadu_ps(xc + 80), p1);
+      p0 = _mm512_fmadd_ps(nibble<3>(w), _mm512_loadu_ps(xc + 96), p0);
+      p1 = _mm512_fmadd_ps(nibble<4>(w), _mm512_loadu_ps(xc + 112), p1);
+      const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * G + 8 * c)));
+      acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(d4)), _mm512_add_ps(p0, p1), acc[j]);
+    }
+  }
+  for (int j = 0; j < NT; j++) {
+    const Blocks<QT> b{rows + j * wstride, G};
+    for (int64_t g = 4 * runs; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.codes(g))));
+      const __m512 p = _mm512_fmadd_ps(nibble<1>(q), _mm512_loadu_ps(x + g * GROUP + 16),
+                                       _mm512_mul_ps(nibble<0>(q), _mm512_loadu_ps(x + g * GROUP)));
+      acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(half_to_float(b.scale(g))), p, acc[j]);
+    }
+    const uint8_t* mins = FT<QT> == Q4_1 ? b.minimum(0) : b.scale(0);
+    __m512 macc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) {
+      const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+      macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + 2 * g)), _mm512_maskz_loadu_ps(k, sx + g),
+                             macc);
+    }
+    out[j] = _mm512_reduce_add_ps(FT<QT> == Q4_0 ? _mm512_fmadd_ps(macc, _mm512_set1_ps(-8.0f), acc[j])
+                                                 : _mm512_add_ps(acc[j], macc));
+  }
+}
+
 // RT activation rows x (stride ldx) against NT packed rows: out[r * ldo + j]. Each block of the NT rows is
 // dequantised once into registers for all RT rows; the RT x NT accumulators stay in registers
 // (2 NT + 2 + RT NT of the 32 vector registers).
@@ -375,7 +466,7 @@ inline void tile_dot_512(const uint8_t* rows, int64_t wstride, int64_t G, const 
   for (int64_t g = 0; g < G; g++) {
     if (PREFETCH) ahead.part(g);
     __m512 lo[NT], hi[NT];
-    for (int j = 0; j < NT; j++) load_block16<QT>(rows + j * wstride + g * GB<QT>, lo[j], hi[j]);
+    for (int j = 0; j < NT; j++) load_block16<QT>(Blocks<QT>{rows + j * wstride, G}, g, lo[j], hi[j]);
     for (int r = 0; r < RT; r++) {
       const float* xg = x + r * ldx + g * GROUP;
       const __m512 xlo = _mm512_loadu_ps(xg), xhi = _mm512_loadu_ps(xg + 16);
@@ -430,15 +521,20 @@ void tiles_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, i
 // Rows of x per chunk: 64 rows of up to 1536 floats (384 KB) stay in L2 while a thread's weight rows pass them.
 constexpr int64_t X_CHUNK_ROWS = 64;
 
-// Rows [begin, end) of out [M, N]: one row of x as rows_dot_512, 2-5 rows in tiles of 4 weight rows, more in
-// tiles of 2 over 64-row chunks of x.
+// Rows [begin, end) of out [M, N]: one row of x as rows_dot_512 (rows_dot_split for split rows, xp: x in
+// split_order), 2-5 rows in tiles of 4 weight rows, more in tiles of 2 over 64-row chunks of x.
 template <int64_t QT>
 void block_rows_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, const float* x,
-                    int64_t M, const float* sx, float* out, int64_t N) {
+                    int64_t M, const float* sx, const float* xp, float* out, int64_t N) {
   if (M == 1) {
     int64_t n = begin;
-    for (; n + 4 <= end; n += 4) rows_dot_512<QT, 4>(wd + n * wstride, wstride, G, x, sx, out + n);
-    for (; n < end; n++) rows_dot_512<QT, 1>(wd + n * wstride, wstride, G, x, sx, out + n);
+    if constexpr (Blocks<QT>::SPLIT) {
+      for (; n + 4 <= end; n += 4) rows_dot_split<QT, 4>(wd + n * wstride, wstride, G, xp, x, sx, out + n);
+      for (; n < end; n++) rows_dot_split<QT, 1>(wd + n * wstride, wstride, G, xp, x, sx, out + n);
+    } else {
+      for (; n + 4 <= end; n += 4) rows_dot_512<QT, 4>(wd + n * wstride, wstride, G, x, sx, out + n);
+      for (; n < end; n++) rows_dot_512<QT, 1>(wd + n * wstride, wstride, G, x, sx, out + n);
+    }
   } else if (M < 6) {
     tiles_512<QT, 4>(wd, wstride, begin, end, G, x, M, out, N);
   } else {
@@ -455,6 +551,8 @@ bool with_block_type(int64_t qtype, F&& f) {
     case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); return true;
     case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); return true;
     case Q8_0: f(std::integral_constant<int64_t, Q8_0>{}); return true;
+    case Q4_0_SPLIT: f(std::integral_constant<int64_t, Q4_0_SPLIT>{}); return true;
+    case Q4_1_SPLIT: f(std::integral_constant<int64_t, Q4_1_SPLIT>{}); return true;
   }
   return false;
 }
@@ -500,12 +598,15 @@ inline void dense_row_dot(const float* w, int64_t K, const float* x, int64_t ldx
 #if defined(MS_AVX512)
 const char* const PACKED_ISA = "avx512";
 const int64_t PACKED_MAX_ROWS = 256;
+const bool PACKED_SPLIT = true;
 #elif defined(MS_AVX2)
 const char* const PACKED_ISA = "avx2";
 const int64_t PACKED_MAX_ROWS = 48;
+const bool PACKED_SPLIT = false;
 #else
 const char* const PACKED_ISA = "portable";
 const int64_t PACKED_MAX_ROWS = 48;
+const bool PACKED_SPLIT = false;
 #endif
 
 std::vector<std::vector<int64_t>> block_formats() {
@@ -521,26 +622,33 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
               "packed_linear: w must be [N, row_bytes] uint8");
   TORCH_CHECK(w.stride(1) == 1, "packed_linear: w rows must be contiguous");
   const int64_t M = x.size(0), N = w.size(0), G = (K + GROUP - 1) / GROUP, Kp = G * GROUP;
-  const bool has_min = qtype == Q4_1;
+  const bool has_min = file_type(qtype) == Q4_1;
   // Activations zero-padded to whole groups (F16 / BF16 rows of any width; block rows are whole
-  // groups already) and, for Q4_1's minima, per-group sums of x.
-  auto xp = K == Kp ? x.contiguous() : torch::zeros({M, Kp}, x.options());
-  if (K != Kp) xp.narrow(1, 0, K).copy_(x);
-  const float* xd = xp.data_ptr<float>();
-  std::vector<float> sx(has_min ? M * G : 0);  // [M, G]
+  // groups already) and, for Q4_1's minima (and a split Q4_0 row's -8 d), per-group sums of x.
+  auto xpad = K == Kp ? x.contiguous() : torch::zeros({M, Kp}, x.options());
+  if (K != Kp) xpad.narrow(1, 0, K).copy_(x);
+  const float* xd = xpad.data_ptr<float>();
+  std::vector<float> sx(has_min || qtype == Q4_0_SPLIT ? M * G : 0);  // [M, G]
   for (int64_t i = 0; i < (int64_t)sx.size(); i++) {
     float s = 0.0f;
     for (int j = 0; j < GROUP; j++) s += xd[i * GROUP + j];
     sx[i] = s;
   }
   const float* sxd = sx.data();
+  std::vector<float> xs;  // one row of x in split_order (the split rows' one-row kernel)
+#if defined(MS_AVX512)
+  if (M == 1 && file_type(qtype) != qtype) {
+    xs.resize(G / 4 * 128);
+    split_order(xd, G, xs.data());
+  }
+#endif
   auto out = torch::empty({M, N}, x.options());
   const uint8_t* wd = w.data_ptr<uint8_t>();
   const int64_t wstride = w.stride(0);
   float* od = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
 #if defined(MS_AVX512)
-    if (with_block_type(qtype, [&](auto qt) { block_rows_512<qt()>(wd, wstride, begin, end, G, xd, M, sxd, od, N); }))
+    if (with_block_type(qtype, [&](auto qt) { block_rows_512<qt()>(wd, wstride, begin, end, G, xd, M, sxd, xs.data(), od, N); }))
       return;
 #elif defined(MS_AVX2)
     if (with_block_type(qtype, [&](auto qt) { block_rows<qt()>(wd, wstride, begin, end, G, xd, M, sxd, od, N); }))

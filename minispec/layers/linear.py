@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from minispec.distributed import TPGroup
-from minispec.layers.quant import PackedWeight, embedding, linear, row_bytes, type_name
+from minispec.kernels.ggml import file_type
+from minispec.layers.quant import (PackedWeight, embedding, join_rows, kernel_layout, linear, row_bytes, split_rows,
+                                   type_name)
 from minispec.utils import cdiv
 
 
@@ -21,18 +23,19 @@ def _dense(rows: int, cols: int, dtype, device, fill_zero: bool = False) -> nn.P
 
 
 def _rows_like(src: torch.Tensor | PackedWeight, rows: int, cols: int, dtype, device, fill_zero: bool = False):
-    """An empty weight of `rows` rows for src's kind: PackedWeight of src's type (zero bytes are zero
-    values), or a dense Parameter."""
+    """An empty weight of `rows` rows for src's kind: PackedWeight of src's type in the kernels' layout
+    (quant.kernel_layout; zero bytes are zero values), or a dense Parameter."""
     if isinstance(src, PackedWeight):
         new = torch.zeros if fill_zero else torch.empty
-        return PackedWeight(new(rows, row_bytes(src.qtype, cols), dtype=torch.uint8, device=device), src.qtype, cols)
+        empty = PackedWeight(new(rows, row_bytes(src.qtype, cols), dtype=torch.uint8, device=device), src.qtype, cols)
+        return kernel_layout(empty)
     return _dense(rows, cols, dtype, device, fill_zero)
 
 
 def _check_kind(dst, src) -> None:
     """ValueError unless src (a loaded part) is stored like dst: both dense, or packed of one type."""
     if isinstance(dst, PackedWeight) != isinstance(src, PackedWeight) or \
-            isinstance(dst, PackedWeight) and dst.qtype != src.qtype:
+            isinstance(dst, PackedWeight) and file_type(dst.qtype) != file_type(src.qtype):
         kinds = [f"packed {type_name(w.qtype)}" if isinstance(w, PackedWeight) else "dense" for w in (dst, src)]
         raise ValueError(f"the fused parts of one layer are stored differently ({kinds[0]} and {kinds[1]})")
 
@@ -40,6 +43,17 @@ def _check_kind(dst, src) -> None:
 def _rows_of(w: torch.Tensor | PackedWeight, start: int, n: int) -> torch.Tensor:
     """Rows [start, start + n) of a weight's storage (a view)."""
     return (w.data if isinstance(w, PackedWeight) else w)[start : start + n]
+
+
+def _copy_rows(dst: torch.Tensor | PackedWeight, at: int, src: torch.Tensor | PackedWeight, start: int, n: int) -> None:
+    """dst's rows [at, at + n) = src's rows [start, start + n), in dst's layout (a file's or its split one)."""
+    rows = _rows_of(src, start, n)
+    if isinstance(dst, PackedWeight) and dst.qtype != src.qtype:
+        if file_type(src.qtype) != src.qtype:
+            rows = join_rows(rows, src.qtype)
+        if file_type(dst.qtype) != dst.qtype:
+            rows = split_rows(rows, file_type(dst.qtype))
+    _rows_of(dst, at, n).copy_(rows)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -80,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
         if self.weight is None:
             self.weight = _rows_like(weight, sum(self.local_sizes), self.in_features, self.dtype, self.device)
         _check_kind(self.weight, weight)
-        _rows_of(self.weight, off, n).copy_(_rows_of(weight, start, n))
+        _copy_rows(self.weight, off, weight, start, n)
         if self.bias is not None:
             self.bias[off : off + n].copy_(bias[start : start + n])
 
@@ -123,7 +137,7 @@ class RowParallelLinear(nn.Module):
         if self.weight is None:
             self.weight = _rows_like(shard, self.out_features, self.in_local, self.dtype, self.device)
         _check_kind(self.weight, shard)
-        _rows_of(self.weight, 0, self.out_features).copy_(_rows_of(shard, 0, self.out_features))
+        _copy_rows(self.weight, 0, shard, 0, self.out_features)
         if self.bias is not None:
             self.bias.copy_(bias)
 
@@ -160,7 +174,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.weight is None:
             self.weight = _rows_like(weight, self.shard_size, self.hidden_size, self.dtype, self.device, fill_zero=True)
         _check_kind(self.weight, weight)
-        _rows_of(self.weight, 0, self.num_real).copy_(_rows_of(weight, self.shard_start, self.num_real))
+        _copy_rows(self.weight, 0, weight, self.shard_start, self.num_real)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.world_size == 1:

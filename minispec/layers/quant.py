@@ -4,6 +4,9 @@ A ``PackedWeight`` holds a [N, K] weight as N rows of bytes in one GGML format (
 values (Q4_0, Q4_1, Q8_0: a float16 scale d, for Q4_1 a float16 minimum m, and 32 codes q) or plain
 F16 / BF16 values. The value of code q is d * (q - 8) (Q4_0), d * q + m (Q4_1) or d * q (Q8_0).
 
+In memory, Q4_0 / Q4_1 rows may be split (kernels/ggml.py: codes, then scales, then minima) where the AVX-512
+one-row kernel reads them: ``kernel_layout(w)``, which the layers apply as they load. The values are the file's.
+
 ``linear(x, w)`` equals ``F.linear(x.float(), w.dequantize())``, the float32 layer over the
 dequantised weight, up to float32 summation order (it computes d * sum(q * x) + m * sum(x) per
 block): the C++ op on CPU (kernels/packed_cpu.cpp, built by kernels/cpu.py), the Triton kernel on GPU
@@ -15,13 +18,14 @@ and the self-drafts).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from minispec.kernels.cpu import applies
-from minispec.kernels.ggml import BF16, BLOCK_TYPES, F16, F32, GROUP, PACKED_TYPES, Q4_0, Q4_1, Q8_0
+from minispec.kernels.ggml import BF16, BLOCK_TYPES, F16, F32, GROUP, PACKED_TYPES, Q4_0, Q4_1, Q8_0, SPLIT_OF, file_type
 
 # Weight-only quantisation of a float checkpoint: name -> (linear layers' type, embedding / LM head type). The
 # embedding stays 8-bit under int4, as llama.cpp's Q4_1 files keep it (it is also the tied LM head).
@@ -63,12 +67,24 @@ class PackedWeight:
     def device(self) -> torch.device:
         return self.data.device
 
+    def split(self) -> PackedWeight:
+        """This Q4_0 / Q4_1 weight in its split layout (a copy)."""
+        return PackedWeight(split_rows(self.data, self.qtype), SPLIT_OF[self.qtype], self.in_features)
+
+    def joined(self) -> PackedWeight:
+        """This weight in its file's layout (itself unless split)."""
+        if file_type(self.qtype) == self.qtype:
+            return self
+        return PackedWeight(join_rows(self.data, self.qtype), file_type(self.qtype), self.in_features)
+
     def rows(self, start: int, n: int) -> PackedWeight:
         """Rows [start, start + n) (a view)."""
         return PackedWeight(self.data[start : start + n], self.qtype, self.in_features)
 
     def cols(self, start: int, k: int) -> PackedWeight:
         """Columns [start, start + k) of every row (a copy); a block format needs start and k on block bounds."""
+        if file_type(self.qtype) != self.qtype:
+            return self.joined().cols(start, k).split()
         fmt = PACKED_TYPES[self.qtype]
         if start % fmt.block_values or k % fmt.block_values:
             raise ValueError(f"a {fmt.name} weight splits its columns on blocks of {fmt.block_values}; "
@@ -81,7 +97,9 @@ class PackedWeight:
         return PackedWeight(fn(self.data).contiguous(), self.qtype, self.in_features)
 
     def to(self, device) -> PackedWeight:
-        return PackedWeight(self.data.to(device), self.qtype, self.in_features)
+        """On another device; a split layout joins off the CPU (only the CPU kernels read it)."""
+        w = self if torch.device(device).type == "cpu" else self.joined()
+        return PackedWeight(w.data.to(device), w.qtype, w.in_features)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K], rounded as gguf's dequantisation rounds it."""
@@ -90,8 +108,37 @@ class PackedWeight:
         return dequantize_ref(self.data, self.qtype, self.in_features)
 
 
+def split_rows(data: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Q4_0 / Q4_1 rows [N, G * block bytes] in their split layout: every block's 16 code bytes, then the G float16
+    scales, then (Q4_1) the G minima."""
+    n, head = data.shape[0], 4 if qtype == Q4_1 else 2
+    blocks = data.reshape(n, -1, PACKED_TYPES[qtype].block_bytes)  # [N, G, block bytes]
+    parts = [blocks[..., head:], blocks[..., 0:2]] + ([blocks[..., 2:4]] if qtype == Q4_1 else [])
+    return torch.cat([q.reshape(n, -1) for q in parts], dim=1)
+
+
+def join_rows(data: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Split rows of type qtype back in their file's layout (split_rows' inverse)."""
+    ft = file_type(qtype)
+    n, G = data.shape[0], data.shape[1] // PACKED_TYPES[qtype].block_bytes
+    codes, d = data[:, : 16 * G].reshape(n, G, 16), data[:, 16 * G : 18 * G].reshape(n, G, 2)
+    parts = [d] + ([data[:, 18 * G :].reshape(n, G, 2)] if ft == Q4_1 else []) + [codes]
+    return torch.cat(parts, dim=-1).reshape(n, -1)
+
+
+def kernel_layout(w):
+    """The layout the CPU kernels read fastest: a Q4_0 / Q4_1 weight on CPU split where the AVX-512 kernels run it;
+    anything else as it is. MINISPEC_FILE_LAYOUT=1 keeps the file's layout (to measure one against the other)."""
+    if isinstance(w, PackedWeight) and w.qtype in SPLIT_OF and w.device.type == "cpu" and \
+            not os.environ.get("MINISPEC_FILE_LAYOUT") and (ext := _cpu_ops()) is not None and ext.PACKED_SPLIT:
+        return w.split()
+    return w
+
+
 def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """Pure-torch dequantisation of packed rows data [N, row_bytes] -> float32 [N, k]."""
+    if file_type(qtype) != qtype:
+        data, qtype = join_rows(data, qtype), file_type(qtype)
     n = data.shape[0]
     if qtype == F16:
         return data.contiguous().view(torch.float16).float().view(n, k)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minispec.layers.quant import GROUP, QUANTIZATIONS, PackedWeight, linear, quantize
+from minispec.layers.quant import GROUP, QUANTIZATIONS, PackedWeight, kernel_layout, linear, quantize
 from minispec.layers.rotary import interleave_rope_rows
 from minispec.models.errors import ModelLoadError
 
@@ -208,7 +208,7 @@ class InferenceWeights:
 
         def w(t: torch.Tensor, qt=qtype):
             t = t.detach().float().contiguous()
-            return quantize(t, qt) if qt is not None and t.shape[1] % GROUP == 0 else t
+            return kernel_layout(quantize(t, qt)) if qt is not None and t.shape[1] % GROUP == 0 else t
 
         self.cfg = cfg
         self.quant = quant

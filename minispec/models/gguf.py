@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minispec.kernels.ggml import F32, PACKED_TYPES
+from minispec.kernels.ggml import F32, PACKED_TYPES, file_type
 from minispec.layers.quant import PackedWeight
 from minispec.models.errors import ModelLoadError
 
-SUPPORTED_TYPES = ", ".join(["F32", *(fmt.name for fmt in PACKED_TYPES.values())])
+FILE_TYPES = [t for t in PACKED_TYPES if file_type(t) == t]  # the packed formats a file holds (not the split ones)
+SUPPORTED_TYPES = ", ".join(["F32", *(PACKED_TYPES[t].name for t in FILE_TYPES)])
 PERMUTED_QK_ARCHS = ("llama",)  # GGUF architectures whose q/k rows the converter interleaved
 
 # value type id -> struct format of a scalar (gguf.GGUFValueType: 8 = string, 9 = array)
@@ -273,7 +274,7 @@ class GGUFFile:
         qtype, shape, _, _ = self.tensors[name]
         if qtype == F32:
             return self.raw(name).view(torch.float32).view(shape)
-        if qtype not in PACKED_TYPES:
+        if qtype not in FILE_TYPES:
             raise ModelLoadError(f"tensor '{name}' of {self.path.name} has type {_type_label(qtype)}; minispec reads "
                                  f"GGUF tensors of type {SUPPORTED_TYPES}")
         if len(shape) != 2:

@@ -23,7 +23,7 @@ import re
 from torch import nn
 
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from minispec.layers.quant import GROUP, QUANTIZATIONS, PackedWeight, quantize
+from minispec.layers.quant import GROUP, QUANTIZATIONS, PackedWeight, kernel_layout, quantize
 from minispec.models.llama import LlamaForCausalLM
 from minispec.models.loader import LoadedModel
 
@@ -55,7 +55,7 @@ def quantize_model(model: LlamaForCausalLM, quantization: str) -> int:
             continue
         qtype = embedding_type if isinstance(m, VocabParallelEmbedding) else linear_type
         del m.weight  # a Parameter; the packed weight is a plain attribute
-        m.weight = quantize(w.data, qtype)
+        m.weight = kernel_layout(quantize(w.data, qtype))
         count += 1
     model.weights_changed()
     return count
