@@ -216,13 +216,19 @@ def test_split_rows_hold_the_files_bytes(name):
 
 @pytest.mark.parametrize("name", list(SPLIT))
 @pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 18, 48])
-def test_split_one_row_kernel_every_run_and_tail(name, blocks):
-    """The split rows' one-row kernel (runs of 4 blocks, then the rest one at a time, the minima 16 blocks per
-    step) against the float64 layer over gguf's dequantisation, large and tiny activations, rel tol 1e-6 of
-    sum |w x|."""
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_split_kernel_every_run_and_tail(name, blocks, rows):
+    """The split rows' kernel (runs of 4 blocks, then the rest one at a time, the minima 16 blocks per step; 1-8 rows
+    of x) against the float64 layer over gguf's dequantisation, activations from 1e-6 to 1e6. It computes
+    d (q . x) + m sum(x) per block, so its rounding is relative to sum (|d q| + |m|) |x| (Q4_0: m = -8 d): rel tol
+    1e-5 of that."""
     w, ref = packed(name, 13, 32 * blocks, seed=blocks)
     g = torch.Generator().manual_seed(blocks)
-    x = torch.randn(1, 32 * blocks, generator=g) * torch.logspace(-6, 6, 32 * blocks)[torch.randperm(32 * blocks, generator=g)]
-    wd = torch.from_numpy(ref).double()
-    err = (linear(x, w).double() - x.double() @ wd.T).abs() / (x.double().abs() @ wd.abs().T)
-    assert float(err.max()) < 1e-6
+    x = torch.randn(rows, 32 * blocks, generator=g) * torch.logspace(-6, 6, 32 * blocks)[torch.randperm(32 * blocks, generator=g)]
+    raw = w.joined().data.view(13, blocks, -1)  # [N, G, block bytes] in the file's layout
+    d = raw[..., 0:2].contiguous().view(torch.float16).double().abs()  # [N, G, 1]
+    m = 8 * d if SPLIT[name] == "Q4_0" else raw[..., 2:4].contiguous().view(torch.float16).double().abs()
+    q = torch.cat([raw[..., -16:] & 15, raw[..., -16:] >> 4], -1).double()  # [N, G, 32]
+    scale = (d * q + m).view(13, -1)  # [N, K]
+    err = (linear(x, w).double() - x.double() @ torch.from_numpy(ref).double().T).abs() / (x.double().abs() @ scale.T)
+    assert float(err.max()) < 1e-5
