@@ -14,7 +14,7 @@ from minispec.engine.engine import Engine, EngineConfig
 from minispec.kernels import cpu
 from minispec.engine.observer import Observer
 from minispec.engine.request import Request
-from minispec.layers.quant import PackedWeight
+from minispec.layers.quant import packed_weights_of
 from minispec.models.eagle import SHIPPED_HEADS, EagleHead, is_head_checkpoint, load_head
 from minispec.models.loader import LoadedModel, load_model
 from minispec.models.quantize import check_quantization, has_packed, is_self_draft, quantize_model, self_draft, \
@@ -423,4 +423,4 @@ def _head(draft, target: LoadedModel) -> EagleHead | None:
 def param_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's weights, dense parameters and packed weights (what one decode step streams at batch 1)."""
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    return dense + sum(w.data.nbytes for m in model.modules() for w in vars(m).values() if isinstance(w, PackedWeight))
+    return dense + sum(w.data.nbytes for w in packed_weights_of(model))

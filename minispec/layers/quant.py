@@ -108,6 +108,13 @@ class PackedWeight:
         return dequantize_ref(self.data, self.qtype, self.in_features)
 
 
+def packed_weights_of(model: torch.nn.Module) -> list[PackedWeight]:
+    """The PackedWeights a module tree holds, each once: they are plain attributes (not Parameters), so
+    model.parameters() and state_dict() do not see them."""
+    found = {id(w): w for m in model.modules() for w in vars(m).values() if isinstance(w, PackedWeight)}
+    return list(found.values())
+
+
 def split_rows(data: torch.Tensor, qtype: int) -> torch.Tensor:
     """Q4_0 / Q4_1 rows [N, G * block bytes] in their split layout: every block's 16 code bytes, then the G float16
     scales, then (Q4_1) the G minima."""

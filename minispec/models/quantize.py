@@ -23,7 +23,7 @@ import re
 from torch import nn
 
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from minispec.layers.quant import GROUP, QUANTIZATIONS, PackedWeight, kernel_layout, quantize
+from minispec.layers.quant import GROUP, QUANTIZATIONS, PackedWeight, kernel_layout, packed_weights_of, quantize
 from minispec.models.llama import LlamaForCausalLM
 from minispec.models.loader import LoadedModel
 
@@ -39,7 +39,7 @@ def check_quantization(name: str) -> None:
 
 def has_packed(model: nn.Module) -> bool:
     """Whether any of the model's weights is packed (a GGUF loaded packed, or a quantised model)."""
-    return any(isinstance(w, PackedWeight) for m in model.modules() for w in vars(m).values())
+    return bool(packed_weights_of(model))
 
 
 def quantize_model(model: LlamaForCausalLM, quantization: str) -> int:
@@ -88,7 +88,7 @@ def kept_layers(num_layers: int, n: int) -> list[int]:
 def shallow_copy(model: nn.Module) -> nn.Module:
     """A copy of the model's modules sharing every tensor and packed weight (and the TP group, the config)."""
     memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    memo.update({id(w): w for m in model.modules() for w in vars(m).values() if isinstance(w, PackedWeight)})
+    memo.update({id(w): w for w in packed_weights_of(model)})
     for m in model.modules():
         for attr in ("tp_group", "config"):
             if hasattr(m, attr):
