@@ -177,10 +177,7 @@ class Engine:
             num_accepted = n - 1
             m = r.metrics
             nd = int((r.drafts >= 0).sum()) if r.num_drafts else 0
-            # Valid K/V: everything up to the last token fed before the drafts, plus accepted drafts.
-            r.num_computed = len(r.token_ids) + num_accepted
-            r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
-            r.drafts = None
+            r.verified(num_accepted)  # valid K/V: every token fed before the drafts, and the accepted drafts
             new, reason = self._append(r, tokens[i][:n])
             if r.logprobs is not None:
                 r.logprobs += verdict.logprobs[i][: len(new)]

@@ -105,3 +105,16 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    # The target cache's length changes here only; the draft cache's (num_draft_computed) belongs to the proposer
+    # (spec_decode/proposer.py's Drafting), which a verification can only shorten.
+    def prefilled(self, n: int) -> None:
+        """A step fed n more prompt tokens and sampled nothing: their K/V are in the target cache."""
+        self.num_computed += n
+
+    def verified(self, num_accepted: int) -> None:
+        """A verification (before its tokens are appended) accepted num_accepted drafts: the target cache holds
+        token_ids and those drafts, the draft cache no more than that, and the drafts are spent."""
+        self.num_computed = len(self.token_ids) + num_accepted
+        self.num_draft_computed = min(self.num_draft_computed, self.num_computed)
+        self.drafts = None

@@ -72,7 +72,7 @@ class Verifier:
             logits = self._score_prompts(scheduled, num_prompt, num_logits, logits)
         for s in scheduled:
             if not s.emits:
-                s.req.num_computed += s.num_tokens
+                s.req.prefilled(s.num_tokens)
         reqs = [s.req for s in scheduled if s.emits]
         if not reqs:
             return None
