@@ -117,6 +117,14 @@ MUTANTS = [
     Mutant("head: each position read with the token at it instead of the one after", "minispec/spec_decode/head.py",
            "            tokens.append(r.token_ids[start + 1 : n + 1])", "            tokens.append(r.token_ids[start : n])",
            ("tests/test_head.py::test_proposals_are_the_head_on_the_accepted_context",)),
+    # ---- the split rows' one-row kernel (kernels/packed_cpu.cpp; each mutant rebuilds the C++ extension)
+    Mutant("split kernel: x reordered with the low and high nibbles swapped", "minispec/kernels/packed_cpu.cpp",
+           "4 * (l % 4) + p / 2 + 16 * (p % 2)]", "4 * (l % 4) + p / 2 + 16 * (1 - p % 2)]",
+           ("tests/test_quant.py", "-k", "split_kernel_every_run_and_tail")),
+    Mutant("split kernel: the blocks past the last run of 4 left out", "minispec/kernels/packed_cpu.cpp",
+           "    for (int64_t g = 4 * runs; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)",
+           "    for (int64_t g = G; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)",
+           ("tests/test_quant.py", "-k", "split_kernel_every_run_and_tail")),
 ]
 
 
