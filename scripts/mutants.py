@@ -26,6 +26,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLER = "minispec/spec_decode/rejection_sampler.py"
 ENGINE = "minispec/engine/engine.py"
+REQUEST = "minispec/engine/request.py"
 
 EXACT = ["tests/test_rejection_sampler.py", "-k", "exact_law"]
 TRITON = ["tests/test_rejection_sampler.py", "-k", "probes_triton"]
@@ -84,12 +85,12 @@ MUTANTS = [
     Mutant("greedy requests without drafts: NaN logits never end them", "minispec/engine/verify.py",
            "torch.zeros(n, dtype=torch.int64), ~finite.cpu())", "torch.zeros(n, dtype=torch.int64), finite.cpu() & False)",
            ("tests/test_engine.py::test_nan_logits_end_one_request_others_continue",)),
-    Mutant("no KV rollback of the draft", ENGINE,
-           "            r.num_draft_computed = min(r.num_draft_computed, r.num_computed)\n", "",
+    Mutant("no KV rollback of the draft", REQUEST,
+           "        self.num_draft_computed = min(self.num_draft_computed, self.num_computed)\n", "",
            ("tests/test_engine.py::test_draft_logits_are_the_draft_models_on_the_accepted_context",)),
-    Mutant("no KV rollback of the target", ENGINE,
-           "            r.num_computed = len(r.token_ids) + num_accepted",
-           "            r.num_computed = len(r.token_ids) + r.num_drafts",
+    Mutant("no KV rollback of the target", REQUEST,
+           "        self.num_computed = len(self.token_ids) + num_accepted",
+           "        self.num_computed = len(self.token_ids) + self.num_drafts",
            ("tests/test_engine.py::test_speculative_greedy_equals_transformers",)),
     Mutant("tokens emitted after a stop token (inside an accepted run)", ENGINE,
            "            if t in stops:\n", "            if t in stops and t == toks[-1]:\n",
