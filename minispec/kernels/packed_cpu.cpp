@@ -624,23 +624,22 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
   const int64_t M = x.size(0), N = w.size(0), G = (K + GROUP - 1) / GROUP, Kp = G * GROUP;
   const bool has_min = file_type(qtype) == Q4_1;
   // Activations zero-padded to whole groups (F16 / BF16 rows of any width; block rows are whole
-  // groups already) and, for Q4_1's minima (and a split Q4_0 row's -8 d), per-group sums of x.
+  // groups already) and, for Q4_1's minima, per-group sums of x.
   auto xpad = K == Kp ? x.contiguous() : torch::zeros({M, Kp}, x.options());
   if (K != Kp) xpad.narrow(1, 0, K).copy_(x);
   const float* xd = xpad.data_ptr<float>();
-  std::vector<float> sx(has_min || qtype == Q4_0_SPLIT ? M * G : 0);  // [M, G]
+  // One row of x against split rows: rows_dot_split, which also takes Q4_0's -8 d through sx.
+  const bool split_row = PACKED_SPLIT && M == 1 && file_type(qtype) != qtype;
+  std::vector<float> sx(has_min || split_row ? M * G : 0);  // [M, G]
   for (int64_t i = 0; i < (int64_t)sx.size(); i++) {
     float s = 0.0f;
     for (int j = 0; j < GROUP; j++) s += xd[i * GROUP + j];
     sx[i] = s;
   }
   const float* sxd = sx.data();
-  std::vector<float> xs;  // one row of x in split_order (the split rows' one-row kernel)
+  std::vector<float> xs(split_row ? G / 4 * 128 : 0);  // that row in split_order
 #if defined(MS_AVX512)
-  if (M == 1 && file_type(qtype) != qtype) {
-    xs.resize(G / 4 * 128);
-    split_order(xd, G, xs.data());
-  }
+  if (split_row) split_order(xd, G, xs.data());
 #endif
   auto out = torch::empty({M, N}, x.options());
   const uint8_t* wd = w.data_ptr<uint8_t>();

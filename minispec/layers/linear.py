@@ -12,8 +12,7 @@ from torch import nn
 
 from minispec.distributed import TPGroup
 from minispec.kernels.ggml import file_type
-from minispec.layers.quant import (PackedWeight, embedding, join_rows, kernel_layout, linear, row_bytes, split_rows,
-                                   type_name)
+from minispec.layers.quant import PackedWeight, embedding, kernel_qtype, linear, relayout, row_bytes, type_name
 from minispec.utils import cdiv
 
 
@@ -23,12 +22,12 @@ def _dense(rows: int, cols: int, dtype, device, fill_zero: bool = False) -> nn.P
 
 
 def _rows_like(src: torch.Tensor | PackedWeight, rows: int, cols: int, dtype, device, fill_zero: bool = False):
-    """An empty weight of `rows` rows for src's kind: PackedWeight of src's type in the kernels' layout
-    (quant.kernel_layout; zero bytes are zero values), or a dense Parameter."""
+    """An empty weight of `rows` rows for src's kind: PackedWeight of src's format in the kernels' layout
+    (quant.kernel_qtype; zero bytes are zero values), or a dense Parameter."""
     if isinstance(src, PackedWeight):
         new = torch.zeros if fill_zero else torch.empty
-        empty = PackedWeight(new(rows, row_bytes(src.qtype, cols), dtype=torch.uint8, device=device), src.qtype, cols)
-        return kernel_layout(empty)
+        data = new(rows, row_bytes(src.qtype, cols), dtype=torch.uint8, device=device)
+        return PackedWeight(data, kernel_qtype(file_type(src.qtype), device), cols)
     return _dense(rows, cols, dtype, device, fill_zero)
 
 
@@ -48,12 +47,7 @@ def _rows_of(w: torch.Tensor | PackedWeight, start: int, n: int) -> torch.Tensor
 def _copy_rows(dst: torch.Tensor | PackedWeight, at: int, src: torch.Tensor | PackedWeight, start: int, n: int) -> None:
     """dst's rows [at, at + n) = src's rows [start, start + n), in dst's layout (a file's or its split one)."""
     rows = _rows_of(src, start, n)
-    if isinstance(dst, PackedWeight) and dst.qtype != src.qtype:
-        if file_type(src.qtype) != src.qtype:
-            rows = join_rows(rows, src.qtype)
-        if file_type(dst.qtype) != dst.qtype:
-            rows = split_rows(rows, file_type(dst.qtype))
-    _rows_of(dst, at, n).copy_(rows)
+    _rows_of(dst, at, n).copy_(relayout(rows, src.qtype, dst.qtype) if isinstance(dst, PackedWeight) else rows)
 
 
 class ColumnParallelLinear(nn.Module):

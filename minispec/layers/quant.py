@@ -67,15 +67,18 @@ class PackedWeight:
     def device(self) -> torch.device:
         return self.data.device
 
+    def as_type(self, qtype: int) -> PackedWeight:
+        """This weight in layout qtype, its file's format or the split one (itself when it is already)."""
+        return self if qtype == self.qtype else PackedWeight(relayout(self.data, self.qtype, qtype), qtype,
+                                                              self.in_features)
+
     def split(self) -> PackedWeight:
-        """This Q4_0 / Q4_1 weight in its split layout (a copy)."""
-        return PackedWeight(split_rows(self.data, self.qtype), SPLIT_OF[self.qtype], self.in_features)
+        """This Q4_0 / Q4_1 weight in its split layout."""
+        return self.as_type(SPLIT_OF[file_type(self.qtype)])
 
     def joined(self) -> PackedWeight:
-        """This weight in its file's layout (itself unless split)."""
-        if file_type(self.qtype) == self.qtype:
-            return self
-        return PackedWeight(join_rows(self.data, self.qtype), file_type(self.qtype), self.in_features)
+        """This weight in its file's layout."""
+        return self.as_type(file_type(self.qtype))
 
     def rows(self, start: int, n: int) -> PackedWeight:
         """Rows [start, start + n) (a view)."""
@@ -133,19 +136,33 @@ def join_rows(data: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1).reshape(n, -1)
 
 
+def relayout(data: torch.Tensor, qtype: int, to: int) -> torch.Tensor:
+    """Packed rows of layout qtype in layout `to`, the same format's file layout or split one (the same values)."""
+    if qtype == to:
+        return data
+    if file_type(qtype) != qtype:
+        data = join_rows(data, qtype)
+    return data if file_type(to) == to else split_rows(data, file_type(to))
+
+
+def kernel_qtype(qtype: int, device) -> int:
+    """The layout the CPU kernels read qtype's rows in fastest: a Q4_0 / Q4_1 one on CPU split where the AVX-512
+    kernels run it, anything else as it is. MINISPEC_FILE_LAYOUT=1 keeps the file's (to measure one against
+    the other)."""
+    if qtype in SPLIT_OF and torch.device(device).type == "cpu" and not os.environ.get("MINISPEC_FILE_LAYOUT") and \
+            (ext := _cpu_ops()) is not None and ext.PACKED_SPLIT:
+        return SPLIT_OF[qtype]
+    return qtype
+
+
 def kernel_layout(w):
-    """The layout the CPU kernels read fastest: a Q4_0 / Q4_1 weight on CPU split where the AVX-512 kernels run it;
-    anything else as it is. MINISPEC_FILE_LAYOUT=1 keeps the file's layout (to measure one against the other)."""
-    if isinstance(w, PackedWeight) and w.qtype in SPLIT_OF and w.device.type == "cpu" and \
-            not os.environ.get("MINISPEC_FILE_LAYOUT") and (ext := _cpu_ops()) is not None and ext.PACKED_SPLIT:
-        return w.split()
-    return w
+    """A PackedWeight in kernel_qtype's layout; anything else as it is."""
+    return w.as_type(kernel_qtype(w.qtype, w.device)) if isinstance(w, PackedWeight) else w
 
 
 def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """Pure-torch dequantisation of packed rows data [N, row_bytes] -> float32 [N, k]."""
-    if file_type(qtype) != qtype:
-        data, qtype = join_rows(data, qtype), file_type(qtype)
+    data, qtype = relayout(data, qtype, file_type(qtype)), file_type(qtype)
     n = data.shape[0]
     if qtype == F16:
         return data.contiguous().view(torch.float16).float().view(n, k)
