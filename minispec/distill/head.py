@@ -43,6 +43,7 @@ class HeadTrainConfig:
     soft: bool = True  # the target's top-k law, else its argmax
     features: str = "fused"  # "fused": the low / middle / high layers; "high": the last captured layer alone
     epochs: float = 2.0
+    max_steps: int = 0  # optimiser steps (0 = epochs over the data): a fixed count makes runs on different data comparable
     time_budget_min: float = 0.0
     batch_tokens: int = 4096  # positions per optimiser step
     lr: float = 1e-3
@@ -257,7 +258,7 @@ def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log
     del target
     train_b = Batches(train_recs, cfg.batch_tokens, cfg.ttt_steps, t2d, cols, cfg.seed)
     eval_b = Batches(eval_recs, cfg.batch_tokens, cfg.ttt_steps, t2d, cols, cfg.seed)
-    total_steps = max(1, int(cfg.epochs * len(train_b.batches)))
+    total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(train_b.batches)))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, history, train_s = 0, [], 0.0

@@ -15,7 +15,7 @@ from minispec.runner.model_runner import ModelRunner
 from minispec.sample.random import verify_draws
 from minispec.sample.sampler import BatchSampling, greedy_tokens
 from minispec.spec_decode.draft_logits import DraftLogitsCache, shard_owners
-from minispec.spec_decode.rejection_sampler import rejection_sample
+from minispec.spec_decode.rejection_sampler import greedy_accept, rejection_sample
 
 
 @dataclass(slots=True)
@@ -104,16 +104,18 @@ class Verifier:
         if not reqs:
             empty = torch.zeros(0, dtype=torch.int64)
             return Verdict(torch.zeros(0, k + 1, dtype=torch.int64), empty, empty, empty.bool())
-        if all(r.params.greedy and not r.num_drafts for r in reqs):
-            return self._greedy_without_drafts(logits)
-        batch = InputBatch.build([r.req_id for r in reqs], slots, num_logits, self.device)
-        draft_tokens = np.full(batch.num_logits, -1, dtype=np.int64)  # [num_logits]
-        for r, start in zip(reqs, batch.cu_num_logits_np[:-1]):
+        record_beta = self.observer.record_beta and self.draft_logits is not None
+        sampled = any(not r.params.greedy for r in reqs)
+        cu_np = np.zeros(n + 1, dtype=np.int64)  # [num_reqs + 1]
+        np.cumsum(num_logits, out=cu_np[1:])
+        draft_tokens = np.full(int(cu_np[-1]), -1, dtype=np.int64)  # [num_logits]
+        for r, start in zip(reqs, cu_np[:-1]):
             if r.num_drafts:
                 draft_tokens[start : start + r.num_drafts] = r.drafts
+        if not sampled and not record_beta and (self.draft_logits is None or not self.draft_logits.sharded):
+            return self._greedy(logits, draft_tokens, cu_np)
+        batch = InputBatch.build([r.req_id for r in reqs], slots, num_logits, self.device)
         draft_tokens_t = torch.from_numpy(draft_tokens).to(self.device)
-        sampled = any(not r.params.greedy for r in reqs)
-        record_beta = self.observer.record_beta and self.draft_logits is not None
         draft_logits, stale = logits, None  # without a cache every logits position is a bonus
         if self.draft_logits is not None:
             cache = self.draft_logits
@@ -143,14 +145,15 @@ class Verifier:
             self._record_beta(reqs, batch, draft_tokens, stale, *out[2:])
         return Verdict(tokens, out[1].cpu().to(torch.int64), num_stale, bad)
 
-    def _greedy_without_drafts(self, logits: torch.Tensor) -> Verdict:
-        """Greedy requests without drafts (logits [num_reqs, V], one position each): the argmax is the next token.
-        What rejection_sample gives them, without its batch bookkeeping (a tenth of a target-only step at batch 1)."""
-        n = logits.shape[0]
-        tokens = torch.full((n, self.k + 1), -1, dtype=torch.int64)  # [num_reqs, k + 1]
-        argmax, finite = greedy_tokens(logits)  # [num_reqs] each; not finite: NaN, +inf or nothing above -inf
-        tokens[:, 0] = argmax.cpu()
-        return Verdict(tokens, torch.ones(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), ~finite.cpu())
+    def _greedy(self, logits: torch.Tensor, draft_tokens: np.ndarray, cu_num_logits: np.ndarray) -> Verdict:
+        """An all-greedy batch whose drafts cannot be stale (logits [num_logits, V]): one argmax pass, then
+        greedy_accept on the host. What rejection_sample gives it, without its batch bookkeeping."""
+        argmax, finite = greedy_tokens(logits)  # [num_logits] each; not finite: NaN, +inf or nothing above -inf
+        tokens, num_sampled = greedy_accept(argmax.cpu().numpy(), draft_tokens, cu_num_logits, self.k)
+        bad = np.logical_or.reduceat(~finite.cpu().numpy(), cu_num_logits[:-1])  # [num_reqs]
+        n = len(cu_num_logits) - 1
+        return Verdict(torch.from_numpy(tokens), torch.from_numpy(num_sampled), torch.zeros(n, dtype=torch.int64),
+                       torch.from_numpy(bad))
 
     def _record_beta(self, reqs, batch, draft_tokens, stale, p, q) -> None:
         """Analytic acceptance beta = sum_x min(p, q) at every verified draft (Leviathan et al., Thm 3.5)."""

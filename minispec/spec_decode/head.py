@@ -64,9 +64,12 @@ class HeadRunner:
             raise ValueError(f"context of {batch.max_ctx} tokens exceeds the head's KV cache of {self.max_len}")
         B, L = batch.input_ids.shape
         lens = [len(tokens[i]) for i in order]
-        feats = torch.zeros(B, L, features[0].shape[-1], dtype=torch.float32, device=self.device)  # [B, L, F]
-        for b, i in enumerate(order):
-            feats[b, : lens[b]] = features[i]
+        if all(n == L for n in lens):  # no padding (batch 1, or every request feeding as many positions)
+            feats = torch.stack([features[i] for i in order]).float()  # [B, L, F]
+        else:
+            feats = torch.zeros(B, L, features[0].shape[-1], dtype=torch.float32, device=self.device)  # [B, L, F]
+            for b, i in enumerate(order):
+                feats[b, : lens[b]] = features[i]
         w = self.weights
         hidden = w.fuse(feats) if fused else feats  # [B, L, H]
         emb = self.target.embed_tokens(batch.input_ids).float()  # [B, L, H]
@@ -79,11 +82,13 @@ class HeadRunner:
         attn = attn.reshape(B * L, -1).index_select(0, last)  # only the last position's output is needed
         out = w.layer_output(attn, residual.reshape(B * L, -1).index_select(0, last))  # [B, H]
         logits = w.logits(out, lambda h: self.target.compute_logits(h))
-        inv = torch.empty(len(order), dtype=torch.long)
-        inv[torch.tensor(order)] = torch.arange(len(order))
-        inv = inv.to(self.device)
+        if order != list(range(len(order))):  # back to request order
+            inv = torch.empty(len(order), dtype=torch.long)
+            inv[torch.tensor(order)] = torch.arange(len(order))
+            inv = inv.to(self.device)
+            logits, out = logits.index_select(0, inv), out.index_select(0, inv)
         self.forward_s += time.perf_counter() - t0
-        return logits.index_select(0, inv), out.index_select(0, inv)
+        return logits, out
 
     def full_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Draft-vocabulary logits [n, draft_vocab] -> [n, vocab_size], -inf outside the draft vocabulary."""
@@ -169,7 +174,8 @@ class HeadProposer:
         writes the rows of the requests it owns and draws every request's tokens alike (u [num_reqs, k])."""
         _, mine, rows = owned(reqs, cache)
         mine = torch.from_numpy(mine).to(self.runner.device)
-        sampling = BatchSampling([r.params for r in reqs], self.runner.device)
+        greedy = all(r.params.greedy for r in reqs)
+        sampling = None if greedy else BatchSampling([r.params for r in reqs], self.runner.device)
         drafts = np.empty((len(reqs), num_steps), dtype=np.int64)  # [num_reqs, num_steps]
         slots = [r.slot for r in reqs]
         starts, tokens, feats = [], [], []
@@ -190,7 +196,7 @@ class HeadProposer:
                 cache.write(rows, j, logits[mine])
             else:
                 cache.write_subset(rows, j, logits[mine], self.runner.draft_ids)
-            if sampling.greedy:  # the argmax over the draft vocabulary's rows: a sixth of the full row's work
+            if greedy:  # the argmax over the draft vocabulary's rows: a sixth of the full row's work
                 tok = self.runner.draft_ids[greedy_tokens(logits)[0]]
             else:  # drawn from the full row, as the rejection sampler recomputes q from the cache
                 tok = draw_drafts(self.runner.full_vocab(logits, self.vocab_size), sampling, u[:, j])

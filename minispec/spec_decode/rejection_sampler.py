@@ -10,6 +10,7 @@ Draws use the exponential race argmax(dist / noise), so the residual is never no
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minispec.sample.sampler import NOISE_MAX, NOISE_MIN, greedy_tokens, probs_from_logits, sample
@@ -143,25 +144,41 @@ def rejection_sample_triton(p, q, draft_tokens, stale, cu_num_logits, uniforms, 
     return tokens, num_sampled
 
 
-def greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, max_drafts: int):
-    """The all-greedy case of rejection_sample without building p and q: accept a draft iff it is
-    valid and equals the target's argmax; emit the argmax at the first rejection (or as the bonus).
+def greedy_accept(argmax: np.ndarray, draft_tokens: np.ndarray, cu_num_logits: np.ndarray, max_drafts: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """The all-greedy verdict on the host: tokens [num_reqs, K + 1] (-1 padded), num_sampled [num_reqs].
 
-    Same tokens as the general path with one-hot p and q, at the cost of one argmax per logits position.
+    argmax [num_logits]: the target's argmax at each logits position; draft_tokens [num_logits]: the draft
+    each position verifies, -1 where it verifies none (a placeholder, a stale draft). A draft is accepted iff
+    it equals the argmax and every earlier one was; the argmax at the first rejection (or the bonus) follows.
     """
-    num_logits, vocab = target_logits.shape
+    num_reqs = len(cu_num_logits) - 1
+    tokens = np.full((num_reqs, max_drafts + 1), -1, dtype=np.int64)  # [num_reqs, K + 1]
+    num_sampled = np.empty(num_reqs, dtype=np.int64)  # [num_reqs]
+    top, drafts, cu = argmax.tolist(), draft_tokens.tolist(), cu_num_logits.tolist()
+    for r in range(num_reqs):  # a loop on the host: cheaper than array operations at the batch sizes verified
+        start, last = cu[r], cu[r + 1] - 1  # last: the bonus position
+        n = 0
+        while start + n < last and drafts[start + n] >= 0 and drafts[start + n] == top[start + n]:
+            n += 1
+        tokens[r, : n + 1] = top[start : start + n + 1]
+        num_sampled[r] = n + 1
+    return tokens, num_sampled
+
+
+def greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, max_drafts: int):
+    """The all-greedy case of rejection_sample without building p and q: one argmax pass over the target's logits,
+    then greedy_accept on the host (a draft is valid iff not stale and equal to the argmax, which is in [0, V)).
+
+    Same tokens as the general path with one-hot p and q.
+    """
     device = target_logits.device
-    num_reqs = cu_num_logits.shape[0] - 1
-    argmax = greedy_tokens(target_logits)[0]  # [num_logits]
-    valid = _valid_drafts(draft_tokens, stale, cu_num_logits, vocab)  # [num_logits]
-    pos = torch.arange(max_drafts + 1, device=device)
-    lpos = (cu_num_logits[:-1].unsqueeze(1) + pos).clamp(max=max(num_logits - 1, 0))  # [num_reqs, K + 1]
-    is_draft = pos < (cu_num_logits[1:] - cu_num_logits[:-1] - 1).unsqueeze(1)  # [num_reqs, K + 1]
-    accepted = is_draft & valid[lpos] & (draft_tokens[lpos] == argmax[lpos])  # [num_reqs, K + 1]
-    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [num_reqs]
-    tokens = torch.where(pos < num_accepted.unsqueeze(1), argmax[lpos], -1)  # [num_reqs, K + 1]
-    tokens.scatter_(1, num_accepted.unsqueeze(1), argmax[cu_num_logits[:-1] + num_accepted].unsqueeze(1))
-    return tokens[:num_reqs], num_accepted + 1
+    argmax = greedy_tokens(target_logits)[0].cpu().numpy()  # [num_logits]
+    drafts = draft_tokens.cpu().numpy().astype(np.int64)  # [num_logits]
+    if stale is not None:
+        drafts = np.where(stale.cpu().numpy().astype(bool), -1, drafts)
+    tokens, num_sampled = greedy_accept(argmax, drafts, cu_num_logits.cpu().numpy(), max_drafts)
+    return torch.from_numpy(tokens).to(device), torch.from_numpy(num_sampled).to(device)
 
 
 def rejection_sample(
