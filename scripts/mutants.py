@@ -86,7 +86,7 @@ MUTANTS = [
            "    stale = reads_cache & ((row < 0) | (last_slot != slot))", "    stale = reads_cache & (row < -1)",
            ("tests/test_draft_logits.py", "-k", "kernels_match_torch")),
     # ---- the engine
-    Mutant("greedy requests: NaN logits never end them", "minispec/engine/verify.py",
+    Mutant("greedy requests: NaN logits never end them", ENGINE,
            "np.logical_or.reduceat(~finite.cpu().numpy()", "np.logical_or.reduceat(finite.cpu().numpy() & False",
            ("tests/test_engine.py::test_nan_logits_end_one_request_others_continue",)),
     Mutant("no KV rollback of the draft", REQUEST,

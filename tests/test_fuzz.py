@@ -37,7 +37,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-import minispec.engine.verify as verify_mod
+import minispec.engine.engine as engine_mod
 from minispec import LLM, SamplingParams
 from tests.utils import make_tiny_model_dir
 
@@ -141,9 +141,10 @@ def check_verdict(draft_tokens, stale, cu, tokens, num_sampled) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def spy_rejection_sampler():
-    """The engine calls the rejection sampler through check_rows_read and check_verdict for the whole module."""
-    real = verify_mod.rejection_sample
-    sample_mine = verify_mod.Verifier._sample_mine
+    """The engine calls the rejection sampler (and its all-greedy host path) through check_rows_read and check_verdict
+    for the whole module."""
+    real = engine_mod.rejection_sample
+    sample_mine = engine_mod.Verifier._sample_mine
 
     def spy(logits, draft_logits, draft_tokens, stale, cu, *args, **kwargs):
         check_rows_read(logits, draft_logits, draft_tokens.cpu(), None if stale is None else stale.cpu(), cu.cpu())
@@ -151,13 +152,23 @@ def spy_rejection_sampler():
         check_verdict(draft_tokens, stale, cu, verdict[0], verdict[1])
         return verdict
 
+    real_greedy = engine_mod.greedy_accept
+
+    def greedy_spy(argmax, draft_tokens, cu, k):  # the engine's host path for all-greedy batches of a replicated cache
+        d, c = torch.from_numpy(draft_tokens), torch.from_numpy(cu)
+        check_rows_read(None, None, d, None, c)  # no cache is read: freshness of the rows only
+        tokens, num_sampled = real_greedy(argmax, draft_tokens, cu, k)
+        check_verdict(d, None, c, torch.from_numpy(tokens), torch.from_numpy(num_sampled))
+        return tokens, num_sampled
+
     def current(self, reqs, *args):
         CURRENT[:] = [self, reqs]
         return sample_mine(self, reqs, *args)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(verify_mod, "rejection_sample", spy)
-        mp.setattr(verify_mod.Verifier, "_sample_mine", current)
+        mp.setattr(engine_mod, "rejection_sample", spy)
+        mp.setattr(engine_mod, "greedy_accept", greedy_spy)
+        mp.setattr(engine_mod.Verifier, "_sample_mine", current)
         yield
 
 

@@ -50,6 +50,12 @@ def _copy_rows(dst: torch.Tensor | PackedWeight, at: int, src: torch.Tensor | Pa
     _rows_of(dst, at, n).copy_(relayout(rows, src.qtype, dst.qtype) if isinstance(dst, PackedWeight) else rows)
 
 
+def replace_weight(layer: nn.Module, weight: torch.Tensor | PackedWeight) -> None:
+    """Swap a layer's dense weight (a Parameter) for a packed one, which nn.Module holds as a plain attribute."""
+    layer._parameters.pop("weight", None)  # nn.Module refuses a non-Parameter under a parameter's name
+    layer.weight = weight
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with the output features split across ranks.
 

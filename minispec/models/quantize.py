@@ -22,7 +22,7 @@ import re
 
 from torch import nn
 
-from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, replace_weight
 from minispec.layers.quant import GROUP, QUANTIZATIONS, PackedWeight, kernel_layout, packed_weights_of, quantize
 from minispec.models.llama import LlamaForCausalLM
 from minispec.models.loader import LoadedModel
@@ -54,8 +54,7 @@ def quantize_model(model: LlamaForCausalLM, quantization: str) -> int:
         if isinstance(w, PackedWeight) or w.shape[1] % GROUP:
             continue
         qtype = embedding_type if isinstance(m, VocabParallelEmbedding) else linear_type
-        del m.weight  # a Parameter; the packed weight is a plain attribute
-        m.weight = kernel_layout(quantize(w.data, qtype))
+        replace_weight(m, kernel_layout(quantize(w.data, qtype)))
         count += 1
     model.weights_changed()
     return count
