@@ -10,6 +10,7 @@ from minispec import LLM, SamplingParams
 from minispec.distill.head import HeadTrainConfig, init_head, train
 from minispec.distill.head_data import generate, load_records, read_manifest
 from minispec.models.loader import load_model
+from minispec.tools.config import field_help
 from tests.utils import make_tiny_model_dir
 
 
@@ -104,3 +105,14 @@ def test_a_second_seed_makes_new_answers_and_trains_beside_the_first(tiny, tmp_p
     (other / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="layers"):
         train(HeadTrainConfig(**{**run.__dict__, "data": f"{root / 'train'},{other}"}), progress=False, log=quiet)
+
+
+def test_every_training_flag_has_help_from_its_field_comment(capsys):
+    from minispec.distill.head import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--lr LR AdamW's peak learning rate (default: 0.001)" in text
+    assert "--max-steps MAX_STEPS optimiser steps (0 = epochs over the data)" in text
+    assert set(field_help(HeadTrainConfig)) == set(HeadTrainConfig.__dataclass_fields__)  # no flag without its help

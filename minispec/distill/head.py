@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from minispec.distill.head_data import load_records, read_manifest
 from minispec.models.eagle import EagleHead, HeadConfig, load_head, save_head
+from minispec.tools.config import field_help
 from minispec.tools.metrics import tau_from_acceptance
 
 
@@ -36,24 +37,24 @@ class HeadTrainConfig:
 
     data: str = ""  # distill/head_data.py directories (train answers), comma-separated
     eval_data: str = ""  # the same for the held-out eval prompts
-    out: str = ""
+    out: str = ""  # the run's directory: the head (EAGLE-3 format), ckpt.pt, metrics.json, README.md
     max_tokens: int = 0  # answer tokens of the training data used (0 = all): the data curve's x
-    draft_vocab: int = 8192
-    ttt_steps: int = 3
+    draft_vocab: int = 8192  # rows of the head's LM head: the most frequent answer tokens of the data
+    ttt_steps: int = 3  # training-time test: steps the head is fed its own outputs (1 = none)
     soft: bool = True  # the target's top-k law, else its argmax
     features: str = "fused"  # "fused": the low / middle / high layers; "high": the last captured layer alone
-    epochs: float = 2.0
+    epochs: float = 2.0  # passes over the data, unless --max-steps or the time budget ends the run first
     max_steps: int = 0  # optimiser steps (0 = epochs over the data): a fixed count makes runs on different data comparable
-    time_budget_min: float = 0.0
+    time_budget_min: float = 0.0  # minutes of this run (0 = none); the schedule ends with it
     batch_tokens: int = 4096  # positions per optimiser step
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.05
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    eval_every: int = 200
-    seed: int = 0
-    threads: int = 0
+    lr: float = 1e-3  # AdamW's peak learning rate
+    warmup_steps: int = 50  # linear warm-up, then a cosine to min_lr_ratio * lr
+    min_lr_ratio: float = 0.05  # the cosine's end, a fraction of lr
+    weight_decay: float = 0.0  # AdamW's
+    grad_clip: float = 0.5  # the gradient's largest norm
+    eval_every: int = 200  # steps between held-out evals (each also saves a checkpoint)
+    seed: int = 0  # initialisation and batch order
+    threads: int = 0  # torch threads (0 = torch's default)
     bf16: bool = True  # autocast the head's matmuls to bfloat16 (AVX512-BF16 / AMX / tensor cores); weights float32
     init: str = ""  # an earlier run's out/: start from its head (weights, draft vocabulary), with a fresh schedule
 
@@ -353,15 +354,16 @@ def write_readme(out: Path, cfg: HeadTrainConfig, final: dict, n_tokens: int, co
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m minispec.distill.head", description="train an EAGLE-3 draft head")
-    fields = HeadTrainConfig()
-    for name, value in asdict(fields).items():
+    helps = field_help(HeadTrainConfig)
+    for name, value in asdict(HeadTrainConfig()).items():
         flag = "--" + name.replace("_", "-")
+        text = f"{helps.get(name, '')} (default: {value})".lstrip()
         if isinstance(value, bool):
-            ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=value)
+            ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=value, help=text)
         else:
-            ap.add_argument(flag, type=type(value), default=value)
-    ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--no-progress", action="store_true")
+            ap.add_argument(flag, type=type(value), default=value, help=text)
+    ap.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = vars(ap.parse_args(argv))
     resume, progress = a.pop("resume"), not a.pop("no_progress")
     cfg = HeadTrainConfig(**a)

@@ -1,6 +1,8 @@
 """Settings of a tool: a dataclass filled from its defaults, a TOML file, then overrides."""
 from __future__ import annotations
 
+import inspect
+import re
 import tomllib
 from dataclasses import fields
 
@@ -32,3 +34,13 @@ def load_settings(cls, path: str | None = None, overrides: dict | None = None):
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
+
+
+def field_help(cls) -> dict[str, str]:
+    """Each dataclass field's trailing comment (`name: type = default  # comment`), the --help text of its flag."""
+    out = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+=.*?  # (.+)$", line)
+        if m:
+            out[m.group(1)] = m.group(2).replace("%", "%%")
+    return out
