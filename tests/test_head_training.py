@@ -116,3 +116,14 @@ def test_every_training_flag_has_help_from_its_field_comment(capsys):
     assert "--lr LR AdamW's peak learning rate (default: 0.001)" in text
     assert "--max-steps MAX_STEPS optimiser steps (0 = epochs over the data)" in text
     assert set(field_help(HeadTrainConfig)) == set(HeadTrainConfig.__dataclass_fields__)  # no flag without its help
+
+
+def test_a_saved_head_evaluates_as_its_run_did(tiny, capsys):
+    """--evaluate DIR: the saved head's held-out acceptance, as the run's own final eval computed it."""
+    from minispec.distill.head import evaluate_head, main
+
+    root, _, cfg, final = tiny
+    ev = evaluate_head(Path(cfg.out), root / "eval", cfg.features, cfg.ttt_steps, batch_tokens=cfg.batch_tokens)
+    assert [ev[f"acc_{j}"] for j in (1, 2, 3)] == [final[f"acc_{j}"] for j in (1, 2, 3)]
+    main(["--evaluate", cfg.out, "--eval-data", str(root / "eval"), "--ttt-steps", "2"])
+    assert f"{cfg.out}: held-out greedy acceptance over {ev['eval_positions']} positions: " in capsys.readouterr().out

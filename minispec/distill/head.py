@@ -221,11 +221,31 @@ def evaluate(head: EagleHead, emb_table, batches: Batches, steps: int) -> dict:
 
 
 
+def target_and_features(data_dirs: list[Path], features: str):
+    """(the data's target model, the columns of a record's states the head reads, the target layers they are)."""
+    from minispec.models.loader import load_model
+
+    settings = data_settings(data_dirs)
+    target = load_model(settings["target"], dtype=torch.float32, device=torch.device("cpu"), packed=None).model
+    capture = tuple(settings["capture_layers"])
+    H = target.hidden_size
+    cols = slice(0, len(capture) * H) if features == "fused" else slice((len(capture) - 1) * H, len(capture) * H)
+    return target, cols, capture if features == "fused" else capture[-1:]
+
+
+def evaluate_head(path: Path, eval_data: Path, features: str, steps: int, batch_tokens: int = 4096) -> dict:
+    """A saved head's held-out acceptance over `steps` positions (evaluate's figures), whatever it was trained with."""
+    target, cols, feature_layers = target_and_features([eval_data], features)
+    head = init_head(path, target, feature_layers)
+    t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    t2d[head.draft_ids] = torch.arange(len(head.draft_ids))
+    recs = [r for r in load_records(eval_data) if r.get("temperature", 0.0) == 0]
+    return evaluate(head, target_embeddings(target), Batches(recs, batch_tokens, steps, t2d, cols, 0), steps)
+
+
 def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log=print) -> dict:
     """Train (or resume) one head; returns the final metrics."""
     from tqdm import tqdm
-
-    from minispec.models.loader import load_model
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -233,12 +253,7 @@ def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     data_dirs = [Path(d) for d in cfg.data.split(",")]
-    settings = data_settings(data_dirs)
-    target = load_model(settings["target"], dtype=torch.float32, device=torch.device("cpu"), packed=None).model
-    capture = tuple(settings["capture_layers"])
-    H = target.hidden_size
-    cols = slice(0, len(capture) * H) if cfg.features == "fused" else slice((len(capture) - 1) * H, len(capture) * H)
-    feature_layers = capture if cfg.features == "fused" else capture[-1:]
+    target, cols, feature_layers = target_and_features(data_dirs, cfg.features)
     t0 = time.perf_counter()
     train_recs = load_records(data_dirs, cfg.max_tokens or None)
     eval_recs = [r for r in load_records(Path(cfg.eval_data)) if r.get("temperature", 0.0) == 0]
@@ -362,11 +377,23 @@ def main(argv=None) -> None:
             ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=value, help=text)
         else:
             ap.add_argument(flag, type=type(value), default=value, help=text)
+    ap.add_argument("--evaluate", metavar="DIR", default=None,
+                    help="train nothing: print the head in DIR's held-out acceptance on --eval-data over --ttt-steps "
+                         "positions")
     ap.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = vars(ap.parse_args(argv))
-    resume, progress = a.pop("resume"), not a.pop("no_progress")
+    resume, progress, judged = a.pop("resume"), not a.pop("no_progress"), a.pop("evaluate")
     cfg = HeadTrainConfig(**a)
+    if judged is not None:
+        if not cfg.eval_data:
+            ap.error("--evaluate needs --eval-data")
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        ev = evaluate_head(Path(judged), Path(cfg.eval_data), cfg.features, cfg.ttt_steps)
+        print(f"{judged}: held-out greedy acceptance over {ev['eval_positions']} positions: " +
+              " / ".join(f"{ev[f'acc_{j + 1}']:.3f}" for j in range(cfg.ttt_steps)))
+        return
     for name in ("data", "eval_data", "out"):
         if not getattr(cfg, name):
             ap.error(f"--{name.replace('_', '-')} is required")
