@@ -30,10 +30,10 @@ from minispec.utils import parse_dtype
 
 # The defaults: LLM(), the CLI, serve and `make demo` run DEFAULT_TARGET (packed, exact) with the proposer
 # DRAFT_FOR_TARGET names for it, under adaptive k; (None, None): target-only. Chosen by measurement
-# (docs/experiments.md, "An EAGLE-3 head for SmolLM2"): on the 2-core Zen 4 the shipped EAGLE-3 head (third run,
-# engine acceptance 0.61 at position 1) ran 0.93x target-only greedy at batch 1 with k = 1 and 0.95-1.08x with
-# adaptive k (1.15x at T = 0.8, k <= 1; a 2-token packed verification costs 1.33 one-token forwards there, a
-# 3-token one 1.63), so greedy, the CLI's default, does not clearly win; the head stays a named option.
+# (docs/experiments.md, "An EAGLE-3 head for SmolLM2"): on the 2-core Zen 4 the shipped EAGLE-3 head (engine
+# acceptance 0.59-0.61 at position 1) ran 0.95-1.02x target-only at k = 1 and 0.96-1.08x with adaptive k <= 1
+# across batch 1 / 4 / 16 and T = 0 / 0.8 (a 2-token packed verification costs 1.33-1.51 one-token forwards
+# there, 2.23 at batch 16), so it does not clearly win; the head stays a named option.
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target, else none
 HEAD_WITH_LOOKUP = "+ngram"  # draft="HEAD+ngram": prompt lookup (matches of 2+ tokens) where it finds one, else the head
