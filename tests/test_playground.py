@@ -187,7 +187,7 @@ def test_adaptive_tracks_each_request():
     fresh([r2])
     assert fresh.states["c"].req is r2 and fresh.alpha("c") == pytest.approx(fresh.prior()) == pytest.approx(2 / 3)
     # Off, it probes with one draft after probe_every steps, then waits twice as long after each failed probe.
-    off = AdaptiveK(4, draft_cost=0.5, verify_costs=[1.0, 1.5, 2.0, 2.5, 3.0], probe_every=3, prior_alpha=0.0)
+    off = AdaptiveK(4, draft_cost=0.3, verify_costs=[1.0, 1.5, 2.0, 2.5, 3.0], probe_every=3, prior_alpha=0.0)
     x, ks = _fake_request("x"), []
     for _ in range(21):
         (k,) = off([x])
@@ -195,6 +195,11 @@ def test_adaptive_tracks_each_request():
         if k:
             _verify(x, k, 0)
     assert [i for i, k in enumerate(ks) if k] == [2, 8, 20]
+    # Where even a draft always accepted could not pay (k + 1 tokens for k * 0.5 + v[k] = k + 1 steps), no probes.
+    never = AdaptiveK(4, draft_cost=0.5, verify_costs=[1.0, 1.5, 2.0, 2.5, 3.0], probe_every=3, prior_alpha=0.0)
+    y = _fake_request("y")
+    assert not never.can_pay(never.forward_costs(1)) and off.can_pay(off.forward_costs(1))
+    assert [never([y])[0] for _ in range(21)] == [0] * 21
     # A new request starts from the pooled acceptance of the requests seen so far.
     assert off.prior() == pytest.approx(0.0) and off.alpha("new") == pytest.approx(0.0)
     assert pol.prior() == pytest.approx(pol.pool[0] / pol.pool[1]) and 0.0 < pol.prior() < 1.0

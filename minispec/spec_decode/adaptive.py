@@ -24,7 +24,9 @@ each request drafts. The policy picks the k in [1, k_max] with the most expected
 unit cost, sum_i E[tokens_i | k] / cost_b(k), and k = 0 (speculation off) unless that beats plain
 decoding (b tokens per unit) by the factor `margin`. While off, the batch drafts one token after
 `probe_every` steps so the acceptance estimates can recover; each probe that leaves it off doubles
-the wait (up to 8 * probe_every), so a workload where drafting never pays spends little on probes.
+the wait (up to 8 * probe_every), so a workload where drafting never pays spends little on probes. Where
+the forward costs alone rule drafting out even if every draft were accepted (a large batch on a CPU,
+whose verification is compute-bound), there is no probe: it could learn nothing.
 
 alpha is estimated per request from its own verifications, forgetting old ones exponentially.
 A verification of n drafts that accepted a of them is a geometric run truncated at n: it saw
@@ -215,16 +217,24 @@ class AdaptiveK(KPolicy):
         plain = t[0, 0] / t[0, 1] if t[0, 1] > 0 else 1.0
         return max(1.0, spec / plain)
 
+    def forward_costs(self, batch_size: int) -> np.ndarray:
+        """[k_max + 1] the forwards' cost of a step with k drafts at this batch size (no step overhead)."""
+        if self.cost_model is None:
+            return self.fixed_costs
+        if batch_size not in self._costs_by_batch:
+            self._costs_by_batch[batch_size] = self.step_costs(*self.cost_model(batch_size))
+        return self._costs_by_batch[batch_size]
+
     def costs(self, batch_size: int) -> np.ndarray:
         """[k_max + 1] cost of a step with k drafts at this batch size, in plain decode steps."""
-        forward = self.fixed_costs
-        if self.cost_model is not None:
-            if batch_size not in self._costs_by_batch:
-                self._costs_by_batch[batch_size] = self.step_costs(*self.cost_model(batch_size))
-            forward = self._costs_by_batch[batch_size]
-        costs = forward * self.overhead(batch_size)
+        costs = self.forward_costs(batch_size) * self.overhead(batch_size)
         costs[0] = 1.0
         return costs
+
+    def can_pay(self, forward_costs: np.ndarray) -> bool:
+        """Whether drafting could beat plain decoding at these forward costs [k_max + 1] if every draft were
+        accepted; where it cannot, a probe learns nothing."""
+        return self._best_k(np.ones(1), forward_costs) > 0
 
     def observe_step(self, batch_size: int, speculative: bool, step_s: float, forward_s: float) -> None:
         """Engine hook, once per step: its wall time and the part of it spent in model forwards."""
@@ -248,9 +258,12 @@ class AdaptiveK(KPolicy):
         k = int(np.argmax(rate[1:])) + 1
         return k if rate[k] > self.margin * rate[0] else 0
 
-    def _probe(self, k: int, clock) -> int:
-        """k, or 1 when speculation has been off for clock.probe_gap steps (a probe); advances the clock."""
+    def _probe(self, k: int, clock, can_pay: bool = True) -> int:
+        """k, or 1 when speculation has been off for clock.probe_gap steps (a probe) and drafting can pay at all;
+        advances the clock."""
         if k == 0:
+            if not can_pay:
+                return 0
             clock.steps_off += 1
             if self.probe_every > 0 and clock.steps_off >= clock.probe_gap:
                 clock.steps_off = 0
@@ -311,13 +324,17 @@ class AdaptiveK(KPolicy):
         for r in reqs:
             self._update(r)
         shared = [r for r in reqs if not self._seeded(r)]
-        k = self._probe(self.choose([self.alpha(r.req_id) for r in shared]), self) if shared else 0
+        k = 0
+        if shared:
+            k = self._probe(self.choose([self.alpha(r.req_id) for r in shared]), self,
+                            self.can_pay(self.forward_costs(len(shared))))
         ks = []
         for r in reqs:
             s = self.states[r.req_id]
             if self._seeded(r):
                 alpha = s.successes / s.trials if s.trials > 0 else self.prior_alpha
-                s.asked = self._probe(self._best_k(np.array([alpha]), self.seeded_costs), s)
+                s.asked = self._probe(self._best_k(np.array([alpha]), self.seeded_costs), s,
+                                      self.can_pay(self.seeded_costs))
             else:
                 s.asked = k
             self.counts[s.asked] += 1
