@@ -445,7 +445,8 @@ def check_outputs(name: str, specs: list[dict], deltas: dict, engine_k: int) -> 
 
 @pytest.mark.parametrize("name", STALE_VARIANTS)
 def test_stale_drafts_when_requests_take_turns(llms, name):
-    exercised = fuzz(15, requests_take_turns, llms, name)
+    # the random draft model's fresh drafts are rarely accepted (about 0.3 %): more examples to see some
+    exercised = fuzz(25 if name.startswith("draft") else 15, requests_take_turns, llms, name)
     require(exercised, "stale drafts", "stale draft rows seen", "drafts accepted", "checks: draft-logits rows read")
 
 
