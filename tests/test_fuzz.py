@@ -38,6 +38,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import minispec.engine.engine as engine_mod
+import minispec.spec_decode.rejection_sampler as rs_mod
 from minispec import LLM, SamplingParams
 from tests.utils import make_tiny_model_dir
 
@@ -152,7 +153,7 @@ def spy_rejection_sampler():
         check_verdict(draft_tokens, stale, cu, verdict[0], verdict[1])
         return verdict
 
-    real_greedy = engine_mod.greedy_accept
+    real_greedy = rs_mod.greedy_accept
 
     def greedy_spy(argmax, draft_tokens, cu, k):  # the engine's host path for all-greedy batches of a replicated cache
         d, c = torch.from_numpy(draft_tokens), torch.from_numpy(cu)
@@ -167,7 +168,7 @@ def spy_rejection_sampler():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_mod, "rejection_sample", spy)
-        mp.setattr(engine_mod, "greedy_accept", greedy_spy)
+        mp.setattr(rs_mod, "greedy_accept", greedy_spy)
         mp.setattr(engine_mod.Verifier, "_sample_mine", current)
         yield
 

@@ -8,18 +8,18 @@ import numpy as np
 import torch
 
 from minispec.distributed import get_tp_group, share_from_owners, to_owners
-from minispec.engine.input_batch import InputBatch
+from minispec.engine.input_batch import InputBatch, logits_offsets
 from minispec.engine.observer import Observer, StepRecord
 from minispec.engine.request import Request, TokenLogprobs
 from minispec.engine.scheduler import ScheduledRequest, Scheduler
 from minispec.runner.model_runner import ModelRunner
 from minispec.sample.random import RequestRandom, verify_draws
-from minispec.sample.sampler import BatchSampling, greedy_tokens
+from minispec.sample.sampler import BatchSampling
 from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.adaptive import KPolicy, as_k_policy
 from minispec.spec_decode.draft_logits import DraftLogitsCache, shard_owners
 from minispec.spec_decode.proposer import Proposer
-from minispec.spec_decode.rejection_sampler import greedy_accept, rejection_sample
+from minispec.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 
 
 @dataclass(slots=True)
@@ -129,15 +129,14 @@ class Verifier:
             return Verdict(torch.zeros(0, k + 1, dtype=torch.int64), empty, empty, empty.bool())
         record_beta = self.observer.record_beta and self.draft_logits is not None
         sampled = any(not r.params.greedy for r in reqs)
-        cu_np = np.zeros(n + 1, dtype=np.int64)  # [num_reqs + 1]
-        np.cumsum(num_logits, out=cu_np[1:])
+        cu_np = logits_offsets(num_logits)  # [num_reqs + 1]
         draft_tokens = np.full(int(cu_np[-1]), -1, dtype=np.int64)  # [num_logits]
         for r, start in zip(reqs, cu_np[:-1]):
             if r.num_drafts:
                 draft_tokens[start : start + r.num_drafts] = r.drafts
         if not sampled and not record_beta and (self.draft_logits is None or not self.draft_logits.sharded):
             return self._greedy(logits, draft_tokens, cu_np)
-        batch = InputBatch.build([r.req_id for r in reqs], slots, num_logits, self.device)
+        batch = InputBatch.build([r.req_id for r in reqs], slots, num_logits, self.device, cu_np)
         draft_tokens_t = torch.from_numpy(draft_tokens).to(self.device)
         draft_logits, stale = logits, None  # without a cache every logits position is a bonus
         if self.draft_logits is not None:
@@ -171,12 +170,11 @@ class Verifier:
     def _greedy(self, logits: torch.Tensor, draft_tokens: np.ndarray, cu_num_logits: np.ndarray) -> Verdict:
         """An all-greedy batch whose drafts cannot be stale (logits [num_logits, V]): one argmax pass, then
         greedy_accept on the host. What rejection_sample gives it, without its batch bookkeeping."""
-        argmax, finite = greedy_tokens(logits)  # [num_logits] each; not finite: NaN, +inf or nothing above -inf
-        tokens, num_sampled = greedy_accept(argmax.cpu().numpy(), draft_tokens, cu_num_logits, self.k)
+        tokens, num_sampled, finite = greedy_verify(logits, torch.from_numpy(draft_tokens), None,
+                                                    torch.from_numpy(cu_num_logits), self.k)
         bad = np.logical_or.reduceat(~finite.cpu().numpy(), cu_num_logits[:-1])  # [num_reqs]
         n = len(cu_num_logits) - 1
-        return Verdict(torch.from_numpy(tokens), torch.from_numpy(num_sampled), torch.zeros(n, dtype=torch.int64),
-                       torch.from_numpy(bad))
+        return Verdict(tokens.cpu(), num_sampled.cpu(), torch.zeros(n, dtype=torch.int64), torch.from_numpy(bad))
 
     def _record_beta(self, reqs, batch, draft_tokens, stale, p, q) -> None:
         """Analytic acceptance beta = sum_x min(p, q) at every verified draft (Leviathan et al., Thm 3.5)."""

@@ -7,6 +7,13 @@ import numpy as np
 import torch
 
 
+def logits_offsets(num_logits: np.ndarray) -> np.ndarray:
+    """[num_reqs + 1] int64: the first logits position of each request, then the total (a cumulative sum)."""
+    cu = np.zeros(len(num_logits) + 1, dtype=np.int64)
+    np.cumsum(num_logits, out=cu[1:])
+    return cu
+
+
 @dataclass(slots=True)
 class InputBatch:
     """The requests scheduled this step, in batch-position order.
@@ -31,10 +38,10 @@ class InputBatch:
         return int(self.cu_num_logits_np[-1])
 
     @staticmethod
-    def build(req_ids: list[str], slots: np.ndarray, num_logits: np.ndarray, device) -> "InputBatch":
-        """From each request's slot and number of logits positions."""
-        cu = np.zeros(len(req_ids) + 1, dtype=np.int64)
-        np.cumsum(num_logits, out=cu[1:])
+    def build(req_ids: list[str], slots: np.ndarray, num_logits: np.ndarray, device,
+              cu_num_logits: np.ndarray | None = None) -> "InputBatch":
+        """From each request's slot and number of logits positions (and their offsets, where already known)."""
+        cu = logits_offsets(num_logits) if cu_num_logits is None else cu_num_logits
         expanded_slots = np.repeat(slots, num_logits)
         local_pos = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], num_logits)
         return InputBatch(

@@ -170,15 +170,17 @@ def greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, max_drafts:
     """The all-greedy case of rejection_sample without building p and q: one argmax pass over the target's logits,
     then greedy_accept on the host (a draft is valid iff not stale and equal to the argmax, which is in [0, V)).
 
-    Same tokens as the general path with one-hot p and q.
+    Same tokens as the general path with one-hot p and q; also finite [num_logits], False where a position's
+    logits hold NaN or +inf or nothing above -inf.
     """
     device = target_logits.device
-    argmax = greedy_tokens(target_logits)[0].cpu().numpy()  # [num_logits]
+    argmax, finite = greedy_tokens(target_logits)  # [num_logits] each
+    argmax = argmax.cpu().numpy()
     drafts = draft_tokens.cpu().numpy().astype(np.int64)  # [num_logits]
     if stale is not None:
         drafts = np.where(stale.cpu().numpy().astype(bool), -1, drafts)
     tokens, num_sampled = greedy_accept(argmax, drafts, cu_num_logits.cpu().numpy(), max_drafts)
-    return torch.from_numpy(tokens).to(device), torch.from_numpy(num_sampled).to(device)
+    return torch.from_numpy(tokens).to(device), torch.from_numpy(num_sampled).to(device), finite
 
 
 def rejection_sample(
@@ -203,7 +205,7 @@ def rejection_sample(
     if use_triton is None:
         use_triton = _use_triton(target_logits)
     if not return_probs and bool((temperature == 0).all()):
-        return greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, uniforms.shape[1])
+        return greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, uniforms.shape[1])[:2]
     p, q = _probs(target_logits, draft_logits, cu_num_logits, temperature, top_k, top_p)
     fn = rejection_sample_triton if use_triton else rejection_sample_ref
     tokens, num_sampled = fn(p, q, draft_tokens, stale, cu_num_logits, uniforms, noise)
