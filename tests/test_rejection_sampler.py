@@ -483,3 +483,28 @@ def test_greedy_batch_with_empty_draft_lists_and_masked_target_logits():
         assert allowed[cu[r] + torch.arange(k), got].all()  # never a masked token
         assert got.tolist() == argmax[cu[r] : cu[r] + k].tolist()
     assert num_sampled.tolist() == [1, 3, 1, 2, 1]
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_batch_without_drafts_takes_the_general_paths_tokens(use_triton):
+    """No request verifies drafts (one logits position each, as in target-only steps or adaptive k = 0): the
+    shortcut's draw is the token the general path (forced by return_probs) gives with the same noise; greedy,
+    top-k, top-p and NaN rows mixed in."""
+    g = torch.Generator().manual_seed(11)
+    num_reqs, vocab = 7, 300
+    target = torch.randn(num_reqs, vocab, generator=g) * 3
+    target[5, 7] = float("nan")
+    temperature = torch.tensor([0.8, 0.0, 1.0, 1.3, 0.5, 1.0, 0.0])
+    top_k = torch.tensor([0, 0, 20, 0, 5, 0, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 0.7, 1.0, 1.0])
+    cu = torch.arange(num_reqs + 1)
+    drafts = torch.full((num_reqs,), -1)
+    for trial in range(20):
+        noise = torch.empty(num_reqs, vocab).exponential_(generator=g)
+        u = torch.rand(num_reqs, 3, generator=g)
+        args = (target, torch.randn(num_reqs, vocab, generator=g), drafts, None, cu, temperature, top_k, top_p, u,
+                noise)
+        fast = rejection_sample(*args, use_triton=use_triton)
+        general = rejection_sample(*args, use_triton=use_triton, return_probs=True)[:2]
+        assert torch.equal(fast[0], general[0]) and torch.equal(fast[1], general[1]), trial
+        assert fast[0][1, 0] == target[1].argmax() and fast[0][6, 0] == target[6].argmax()

@@ -138,8 +138,8 @@ class Verifier:
             return self._greedy(logits, draft_tokens, cu_np)
         batch = InputBatch.build([r.req_id for r in reqs], slots, num_logits, self.device, cu_np)
         draft_tokens_t = torch.from_numpy(draft_tokens).to(self.device)
-        draft_logits, stale = logits, None  # without a cache every logits position is a bonus
-        if self.draft_logits is not None:
+        draft_logits, stale = logits, None  # without a cache or drafts every logits position is a bonus
+        if self.draft_logits is not None and int(cu_np[-1]) > n:
             cache = self.draft_logits
             if sampled or record_beta:  # all-greedy verification compares tokens only
                 steps = batch.expanded_local_pos.long().clamp(max=k - 1)  # [num_logits]

@@ -183,6 +183,16 @@ def greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, max_drafts:
     return torch.from_numpy(tokens).to(device), torch.from_numpy(num_sampled).to(device), finite
 
 
+def sample_without_drafts(target_logits, temperature, top_k, top_p, noise, max_drafts: int):
+    """The case of rejection_sample where no request verifies drafts (one logits position each): a draw from each
+    request's target distribution with its noise, the token the general path gives, without building q or
+    walking drafts. tokens [num_reqs, K + 1] (-1 padded), num_sampled [num_reqs] (all 1)."""
+    p = probs_from_logits(target_logits, temperature, top_k, top_p)  # [num_reqs, V]
+    tokens = torch.full((p.shape[0], max_drafts + 1), -1, dtype=torch.int64, device=p.device)
+    tokens[:, 0] = sample(p, noise.float())
+    return tokens, torch.ones(p.shape[0], dtype=torch.int64, device=p.device)
+
+
 def rejection_sample(
     target_logits: torch.Tensor,
     draft_logits: torch.Tensor,
@@ -206,6 +216,8 @@ def rejection_sample(
         use_triton = _use_triton(target_logits)
     if not return_probs and bool((temperature == 0).all()):
         return greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, uniforms.shape[1])[:2]
+    if not return_probs and target_logits.shape[0] == cu_num_logits.shape[0] - 1:  # one position per request
+        return sample_without_drafts(target_logits, temperature, top_k, top_p, noise, uniforms.shape[1])
     p, q = _probs(target_logits, draft_logits, cu_num_logits, temperature, top_k, top_p)
     fn = rejection_sample_triton if use_triton else rejection_sample_ref
     tokens, num_sampled = fn(p, q, draft_tokens, stale, cu_num_logits, uniforms, noise)
