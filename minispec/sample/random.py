@@ -68,6 +68,8 @@ def verify_draws(gens: Sequence[np.random.Generator | None], k: int, vocab: int)
     stay 0 and 1: the sampler ignores them). Only the sampled requests' generators advance.
     """
     sampled = [i for i, g in enumerate(gens) if g is not None]
+    if sampled and len(sampled) == len(gens):  # every request samples: no placeholders to fill in
+        return uniforms(gens, k), exponentials(gens, vocab)
     u = torch.zeros(len(gens), k)  # [n, k]
     noise = torch.ones(len(gens), 1).expand(len(gens), vocab)  # [n, vocab]
     if sampled:
