@@ -55,6 +55,10 @@ MUTANTS = [
            tuple(EXACT)),
     Mutant("ref: accept when u * q <= 1.05 * p", SAMPLER,
            "    accepted = ok & (u * qd < pd)", "    accepted = ok & (u * qd <= 1.05 * pd)", tuple(EXACT)),
+    Mutant("no-drafts shortcut: top-p left out of the target's law", SAMPLER,
+           "    p = probs_from_logits(target_logits, temperature, top_k, top_p)  # [num_reqs, V]",
+           "    p = probs_from_logits(target_logits, temperature, top_k, torch.ones_like(top_p))  # [num_reqs, V]",
+           ("tests/test_lossless.py", "-k", "target_only_sampling and top_p")),
     # ---- the rejection sampler: Triton kernel (under TRITON_INTERPRET=1)
     Mutant("triton: bonus token drawn from the residual", SAMPLER,
            "    final_ok = tl.zeros([], dtype=tl.int32)", "    final_ok = tl.full([], 1, tl.int32)", tuple(TRITON)),
