@@ -31,9 +31,9 @@ from minispec.utils import parse_dtype
 # The defaults: LLM(), the CLI, serve and `make demo` run DEFAULT_TARGET (packed, exact) with the proposer
 # DRAFT_FOR_TARGET names for it, under adaptive k; (None, None): target-only. Chosen by measurement
 # (docs/experiments.md, "An EAGLE-3 head for SmolLM2"): on the 2-core Zen 4 the shipped EAGLE-3 head (engine
-# acceptance 0.59-0.61 at position 1) ran 0.67-1.06x target-only at k = 1 and 0.92-1.05x with adaptive k <= 1
-# across batch 1 / 4 / 16 and T = 0 / 0.8 (a 2-token packed verification costs 1.33-1.51 one-token forwards
-# there, 2.23 at batch 16), so it does not clearly win; the head stays a named option.
+# acceptance 0.59-0.61 at position 1; int8 or int4) ran 0.67-1.06x target-only at k = 1 and 0.92-1.08x with
+# adaptive k <= 1 across batch 1 / 4 / 16 and T = 0 / 0.8, in two sessions (a 2-token packed verification costs
+# 1.33-1.51 one-token forwards there, 2.2-2.4 at batch 16), so it does not clearly win; it stays a named option.
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target, else none
 HEAD_WITH_LOOKUP = "+ngram"  # draft="HEAD+ngram": prompt lookup (matches of 2+ tokens) where it finds one, else the head
