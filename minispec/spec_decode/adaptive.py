@@ -258,11 +258,11 @@ class AdaptiveK(KPolicy):
         k = int(np.argmax(rate[1:])) + 1
         return k if rate[k] > self.margin * rate[0] else 0
 
-    def _probe(self, k: int, clock, can_pay: bool = True) -> int:
-        """k, or 1 when speculation has been off for clock.probe_gap steps (a probe) and drafting can pay at all;
-        advances the clock."""
+    def _probe(self, k: int, clock, forward_costs: np.ndarray) -> int:
+        """k, or 1 when speculation has been off for clock.probe_gap steps (a probe) and drafting can pay at all at
+        these forward costs [k_max + 1]; advances the clock."""
         if k == 0:
-            if not can_pay:
+            if not self.can_pay(forward_costs):
                 return 0
             clock.steps_off += 1
             if self.probe_every > 0 and clock.steps_off >= clock.probe_gap:
@@ -326,15 +326,13 @@ class AdaptiveK(KPolicy):
         shared = [r for r in reqs if not self._seeded(r)]
         k = 0
         if shared:
-            k = self._probe(self.choose([self.alpha(r.req_id) for r in shared]), self,
-                            self.can_pay(self.forward_costs(len(shared))))
+            k = self._probe(self.choose([self.alpha(r.req_id) for r in shared]), self, self.forward_costs(len(shared)))
         ks = []
         for r in reqs:
             s = self.states[r.req_id]
             if self._seeded(r):
                 alpha = s.successes / s.trials if s.trials > 0 else self.prior_alpha
-                s.asked = self._probe(self._best_k(np.array([alpha]), self.seeded_costs), s,
-                                      self.can_pay(self.seeded_costs))
+                s.asked = self._probe(self._best_k(np.array([alpha]), self.seeded_costs), s, self.seeded_costs)
             else:
                 s.asked = k
             self.counts[s.asked] += 1

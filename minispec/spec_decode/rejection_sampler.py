@@ -176,7 +176,7 @@ def greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, max_drafts:
     device = target_logits.device
     argmax, finite = greedy_tokens(target_logits)  # [num_logits] each
     argmax = argmax.cpu().numpy()
-    drafts = draft_tokens.cpu().numpy().astype(np.int64)  # [num_logits]
+    drafts = draft_tokens.cpu().numpy().astype(np.int64, copy=False)  # [num_logits]
     if stale is not None:
         drafts = np.where(stale.cpu().numpy().astype(bool), -1, drafts)
     tokens, num_sampled = greedy_accept(argmax, drafts, cu_num_logits.cpu().numpy(), max_drafts)
