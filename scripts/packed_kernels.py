@@ -1,6 +1,7 @@
 """The packed linear op over a model's matrices back to back (one decode step's worth of weight products), by
 activation rows: this checkout's kernels on the weights as loaded (Q4 rows split where the kernels read them
-so) and on the file's layout, and optionally another checkout's kernels (on the file's layout) side by side.
+so) and on the file's layout, and optionally another checkout's kernels (on the loaded layout where it reads split
+rows, else on the file's) side by side.
 
     .venv/bin/python scripts/packed_kernels.py [--rows 1,2,5,16] [--reps 5] [--threads 2]
         [--target smollm2-135m-instruct] [--baseline OTHER_CHECKOUT/minispec/kernels]
@@ -66,12 +67,13 @@ def main() -> None:
     if not loaded:
         raise SystemExit(f"{args.target} has no packed weights (load a .gguf)")
     files = [w.joined() for w in loaded]
-    # (name, build, weights): the loaded layout, the file's, and the baseline's build on the file's
+    # (name, build, weights): the loaded layout, the file's, and the baseline's build on the loaded layout where
+    # it reads split rows, else on the file's
     builds = [("loaded", this, loaded)]
     if any(w.qtype != f.qtype for w, f in zip(loaded, files)):
         builds.append(("file", this, files))
     if args.baseline:
-        builds.append(("baseline", baseline, files))
+        builds.append(("baseline", baseline, loaded if getattr(baseline, "PACKED_SPLIT", False) else files))
     ws = loaded
     nbytes = sum(w.data.numel() for w in ws)
     kinds = sorted({type_name(w.qtype) for w in loaded})
