@@ -365,18 +365,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     load_s = time.perf_counter() - t_load
 
     adaptive_llms = {}
-    if cfg.adaptive:  # per draft, an LLM on the same loaded models whose AdaptiveK has costs measured on them
-        from minispec.spec_decode.adaptive import AdaptiveK
-        from minispec.spec_decode.costs import MeasuredCosts
-
+    if cfg.adaptive:  # per draft, LLM(adaptive_k=True) on the same loaded models: what a user of it gets
         for d in cfg.drafts:
             # a head by its spec (a "+ngram" suffix keeps its lookup), a draft model as loaded
             draft = NGRAM if d == NGRAM else split_draft(d)[0] if llms[d].head is not None else llms[d].draft
-            costs = MeasuredCosts(llms[d].target.model, cost_draft(llms[d]), cfg.k, max_b,
-                                  llms[d].target.vocab_size, dtype, device)
-            policy = AdaptiveK(cfg.k, cost_model=costs)
             quantization = split_draft(d)[1] if llms[d].head is not None else None
-            adaptive_llms[d] = LLM(llms[d].target, draft, ngram_n=NGRAM_N, k_policy=policy,
+            adaptive_llms[d] = LLM(llms[d].target, draft, ngram_n=NGRAM_N, adaptive_k=True,
                                    draft_quantization=quantization, **common)
     rows = build_rows(cfg, hf_target, hf_drafts, llms, pad_id, adaptive_llms)
     runnable = [r for r in rows if r.run is not None]
@@ -638,9 +632,10 @@ def format_table(result: dict) -> str:
         "beyond the forwards).",
         "target-only int8 / int4: the target quantised at load (another model); speedup over the unquantised one. "
         "self-int8 / self-int4[:N]: the target's own quantised (N-layer) copy as its draft (minispec only).",
-        "adaptive-k: the same draft with AdaptiveK: one k in [0, k] per step from the requests' running acceptance, "
-        "the draft / verify costs measured at the batch size and the engine's own step overhead (0 = speculation "
-        "off where it does not pay).",
+        "adaptive-k: the same draft under LLM(adaptive_k=True): one k in [0, k] per step from the requests' running "
+        "acceptance, the draft / verify costs measured at the batch size and the engine's own step overhead (0 = "
+        "speculation off where it does not pay); the bench seeds every request, so sampled ones choose their own k "
+        "on the roofline costs (spec_decode/adaptive.py).",
     ]
     return "\n".join(lines)
 
