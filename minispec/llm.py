@@ -33,7 +33,8 @@ from minispec.utils import parse_dtype
 # (docs/experiments.md, "An EAGLE-3 head for SmolLM2"): on the 2-core Zen 4 the shipped EAGLE-3 head (engine
 # acceptance 0.59-0.61 at position 1; int8 or int4) ran 0.67-1.06x target-only at k = 1 and 0.92-1.08x with
 # adaptive k <= 1 across batch 1 / 4 / 16 and T = 0 / 0.8, in two sessions (a 2-token packed verification costs
-# 1.33-1.51 one-token forwards there, 2.2-2.4 at batch 16), so it does not clearly win; it stays a named option.
+# 1.33-1.51 one-token forwards there, 2.2-2.4 at batch 16), and on a Zen 5 1.00-1.04x at k = 1 and 0.88-1.00x
+# with adaptive k at batch 1 (its 2-token verification 1.33-1.42), so it does not clearly win; a named option.
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target, else none
 HEAD_WITH_LOOKUP = "+ngram"  # draft="HEAD+ngram": prompt lookup (matches of 2+ tokens) where it finds one, else the head
