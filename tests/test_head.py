@@ -77,6 +77,33 @@ def test_cached_forward_equals_training_forward(target, version, draft_vocab):
             logits, hidden = runner.forward([1], [p + 1 + j], [[fed[p + 1 + j]]], [hidden], fused=False)
 
 
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_one_call_head_layer_equals_the_op_by_op_forward(target, quant):
+    """The C++ head_layer (short forwards on CPU) == the op-by-op torch forward: a padded batch of two requests
+    (fused target states, 3 and 1 positions), then a step on the head's own outputs, each on its own KV cache."""
+    head = make_tiny_head(target.config, version=3, draft_vocab_size=100, seed=2)
+    fast = HeadRunner(head, target.model, 4, 32, CPU, quant)
+    slow = HeadRunner(head, target.model, 4, 32, CPU, quant)
+    assert fast.weights.cpu_args() is not None
+    slow.weights._cpu_args = ()  # built and empty: head_layer does not apply, the torch ops run
+    g = torch.Generator().manual_seed(0)
+    C = len(head.cfg.feature_layers) * head.cfg.hidden_size
+    feats = [torch.randn(3, C, generator=g), torch.randn(1, C, generator=g)]
+    for runner in (fast, slow):  # positions before the forwards below, so the attention reads a context
+        runner.forward([2, 0], [0, 0], [[1, 2, 3, 4], [5, 6]], [torch.randn(4, C, generator=torch.Generator()
+                                                                               .manual_seed(1)),
+                                                                  torch.randn(2, C, generator=torch.Generator()
+                                                                              .manual_seed(2))], fused=True)
+    args = ([2, 0], [4, 2], [[7, 8, 9], [10]], feats, True)
+    (lf, hf), (ls, hs) = fast.forward(*args), slow.forward(*args)
+    torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hf, hs, rtol=1e-5, atol=1e-5)
+    args = ([2, 0], [7, 3], [[11], [12]], list(hf.unsqueeze(1)), False)
+    (lf, hf), (ls, hs) = fast.forward(*args), slow.forward(*args)
+    torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hf, hs, rtol=1e-5, atol=1e-5)
+
+
 class Recorder(HeadProposer):
     """Keeps (context, drafts, cached logits) of every proposal of request slot 0."""
 

@@ -1,5 +1,5 @@
 // Every decoder layer of a Llama-family model in one call, for the short forwards of decode and
-// verification on CPU (tp = 1, float32), and the bindings of all CPU kernels. The layer is the one
+// verification on CPU (tp = 1, float32); an EAGLE-3 head's forward in one call; and the bindings of all CPU kernels. The layer is the one
 // models/llama.py runs op by op (LlamaDecoderLayer.forward): the same kernels in the same order, so
 // the results are the same floats; only the Python between the ops is gone.
 #include "cpu_ops.h"
@@ -66,6 +66,36 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<torch::Tensor>& w
   return out;
 }
 
+// One EAGLE-3 head forward over a short batch, in one call: the steps models/eagle.py's InferenceWeights runs op by
+// op (attention_input, the attention, layer_output, logits) with the same kernels as decode_layers. emb and feature
+// [T, H] are each token's embedding and feature (the fused target states or the head's own output); weights 0..4
+// are qkv [(nh + 2 nkv) * hd, 2H], o, gate|up, down and the draft LM head (qtype F32: dense float32), norms 0..3 the
+// input, hidden, post-attention and final RMSNorm weights; the attention arguments are rope_cache_attend's. Only the
+// tokens `last` [B] (int64 indices into T) go past the attention. Returns (draft-vocabulary logits [B, V_draft],
+// pre-norm output [B, H]).
+std::vector<torch::Tensor> head_layer(torch::Tensor emb, torch::Tensor feature, const std::vector<torch::Tensor>& weights,
+                                      const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& norms,
+                                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos_sin,
+                                      torch::Tensor write_index, torch::Tensor positions, torch::Tensor read_slots,
+                                      torch::Tensor last, int64_t n_heads, int64_t n_kv_heads, double scale, double eps) {
+  TORCH_CHECK(weights.size() == 5 && qtypes.size() == 5 && norms.size() == 4,
+              "head_layer: 5 weights (qkv, o, gate|up, down, lm_head) and 4 norms (input, hidden, post-attention, final)");
+  TORCH_CHECK(emb.dim() == 2 && feature.sizes() == emb.sizes(), "head_layer: emb and feature must both be [T, H]");
+  TORCH_CHECK(last.scalar_type() == torch::kInt64 && last.dim() == 1, "head_layer: last must be [B] int64");
+  const std::vector<torch::Tensor> biases(5, torch::empty({0}, emb.options()));
+  const torch::Tensor x = torch::cat({add_rms_norm(emb, c10::nullopt, norms[0], eps),
+                                      add_rms_norm(feature, c10::nullopt, norms[1], eps)}, 1);  // [T, 2H]
+  const torch::Tensor qkv = layer_linear(x, weights, qtypes, biases, 0);
+  const torch::Tensor attn = rope_cache_attend(qkv, cos_sin, k_cache, v_cache, write_index, positions, read_slots,
+                                               n_heads, n_kv_heads, scale).index_select(0, last);  // [B, nh * hd]
+  torch::Tensor residual = feature.index_select(0, last);  // [B, H], a copy: the adds below go into it
+  const torch::Tensor h = add_rms_norm(layer_linear(attn, weights, qtypes, biases, 1), residual, norms[2], eps);
+  const torch::Tensor mlp = layer_linear(silu_mul(layer_linear(h, weights, qtypes, biases, 2)), weights, qtypes,
+                                         biases, 3);
+  const torch::Tensor normed = add_rms_norm(mlp, residual, norms[3], eps);  // residual is now the pre-norm output
+  return {layer_linear(normed, weights, qtypes, biases, 4), residual};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PACKED_ISA") = PACKED_ISA;
   m.attr("PACKED_MAX_ROWS") = PACKED_MAX_ROWS;
@@ -79,4 +109,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_argmax", &greedy_argmax, "(argmax, finite) of each row: NaN as -inf, +inf as the largest float");
   m.def("rope_cache_attend", &rope_cache_attend, "RoPE, KV cache write and attention for short queries");
   m.def("decode_layers", &decode_layers, "every decoder layer over a short forward, in one call");
+  m.def("head_layer", &head_layer, "an EAGLE-3 head's forward over a short batch, in one call");
 }

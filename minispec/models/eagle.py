@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minispec.kernels import cpu
+from minispec.kernels.ggml import F32
 from minispec.layers.quant import GROUP, QUANTIZATIONS, PackedWeight, kernel_layout, linear, quantize
 from minispec.layers.rotary import interleave_rope_rows
 from minispec.models.errors import ModelLoadError
@@ -227,6 +229,20 @@ class InferenceWeights:
         self.hidden_norm = det(getattr(head, "hidden_norm", None))
         self.norm = det(getattr(head, "norm", None))
         self.draft_ids = head.draft_ids.clone()
+        self._cpu_args: tuple | None = None  # head_layer's weight arguments, built at the first short forward
+
+    def cpu_args(self) -> tuple | None:
+        """(weights, qtypes, norms) for kernels/cpu_ops.cpp's head_layer, or None where it does not apply: EAGLE-1,
+        or a tensor the C++ kernels do not take (not float32 on CPU)."""
+        if self._cpu_args is None:
+            self._cpu_args = ()
+            mats = [self.qkv, self.o, self.gate_up, self.down, self.lm_head]
+            norms = [self.input_layernorm, self.hidden_norm, self.post_attention_layernorm, self.norm]
+            if self.cfg.version == 3 and all(t is not None for t in mats + norms) and \
+                    cpu.applies(*norms, *[m for m in mats if not isinstance(m, PackedWeight)]):
+                self._cpu_args = ([m.data if isinstance(m, PackedWeight) else m for m in mats],
+                                  [m.qtype if isinstance(m, PackedWeight) else F32 for m in mats], norms)
+        return self._cpu_args or None
 
     def nbytes(self) -> int:
         """Bytes of weights one head step reads."""

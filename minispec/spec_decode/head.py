@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from minispec.kernels import cpu
 from minispec.layers.attention import AttentionMetadata, ForwardBatch, attention
 from minispec.layers.quant import linear
 from minispec.layers.rotary import RotaryEmbedding
@@ -70,18 +71,25 @@ class HeadRunner:
             feats = torch.zeros(B, L, features[0].shape[-1], dtype=torch.float32, device=self.device)  # [B, L, F]
             for b, i in enumerate(order):
                 feats[b, : lens[b]] = features[i]
-        w = self.weights
+        w, cfg = self.weights, self.cfg
         hidden = w.fuse(feats) if fused else feats  # [B, L, H]
         emb = self.target.embed_tokens(batch.input_ids).float()  # [B, L, H]
-        x, residual = w.attention_input(emb, hidden)
-        qkv = linear(x, w.qkv)
         meta = AttentionMetadata.build(batch, self.rotary(batch.positions), self.kv.k[0],
-                                       self.cfg.num_attention_heads // self.cfg.num_key_value_heads)
-        attn = attention(qkv.contiguous(), meta, self.kv.k[0], self.kv.v[0], self.cfg.num_attention_heads)
-        last = torch.tensor([b * L + lens[b] - 1 for b in range(B)], device=self.device)
-        attn = attn.reshape(B * L, -1).index_select(0, last)  # only the last position's output is needed
-        out = w.layer_output(attn, residual.reshape(B * L, -1).index_select(0, last))  # [B, H]
-        logits = w.logits(out, lambda h: self.target.compute_logits(h))
+                                       cfg.num_attention_heads // cfg.num_key_value_heads)
+        last = torch.tensor([b * L + lens[b] - 1 for b in range(B)], device=self.device)  # [B] only these go on
+        if meta.fused and (args := w.cpu_args()):  # the steps below in one C++ call, same kernels
+            logits, out = cpu.ops().head_layer(
+                emb.view(B * L, -1), hidden.reshape(B * L, -1).contiguous(), *args, self.kv.k[0], self.kv.v[0],
+                torch.view_as_real(meta.freqs_cis), meta.write_index, batch.positions, batch.read_slots, last,
+                cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim ** -0.5, cfg.rms_norm_eps,
+            )  # [B, draft_vocab], [B, H]
+        else:
+            x, residual = w.attention_input(emb, hidden)
+            qkv = linear(x, w.qkv)
+            attn = attention(qkv.contiguous(), meta, self.kv.k[0], self.kv.v[0], cfg.num_attention_heads)
+            attn = attn.reshape(B * L, -1).index_select(0, last)
+            out = w.layer_output(attn, residual.reshape(B * L, -1).index_select(0, last))  # [B, H]
+            logits = w.logits(out, lambda h: self.target.compute_logits(h))
         if order != list(range(len(order))):  # back to request order
             inv = torch.empty(len(order), dtype=torch.long)
             inv[torch.tensor(order)] = torch.arange(len(order))
