@@ -67,33 +67,41 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<torch::Tensor>& w
 }
 
 // One EAGLE-3 head forward over a short batch, in one call: the steps models/eagle.py's InferenceWeights runs op by
-// op (attention_input, the attention, layer_output, logits) with the same kernels as decode_layers. emb and feature
-// [T, H] are each token's embedding and feature (the fused target states or the head's own output); weights 0..4
-// are qkv [(nh + 2 nkv) * hd, 2H], o, gate|up, down and the draft LM head (qtype F32: dense float32), norms 0..3 the
-// input, hidden, post-attention and final RMSNorm weights; the attention arguments are rope_cache_attend's. Only the
-// tokens `last` [B] (int64 indices into T) go past the attention. Returns (draft-vocabulary logits [B, V_draft],
-// pre-norm output [B, H]).
-std::vector<torch::Tensor> head_layer(torch::Tensor emb, torch::Tensor feature, const std::vector<torch::Tensor>& weights,
-                                      const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& norms,
-                                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos_sin,
-                                      torch::Tensor write_index, torch::Tensor positions, torch::Tensor read_slots,
-                                      torch::Tensor last, int64_t n_heads, int64_t n_kv_heads, double scale, double eps) {
-  TORCH_CHECK(weights.size() == 5 && qtypes.size() == 5 && norms.size() == 4,
-              "head_layer: 5 weights (qkv, o, gate|up, down, lm_head) and 4 norms (input, hidden, post-attention, final)");
-  TORCH_CHECK(emb.dim() == 2 && feature.sizes() == emb.sizes(), "head_layer: emb and feature must both be [T, H]");
+// op (fuse, attention_input, the attention, layer_output, logits) with the same kernels as decode_layers. Token t
+// feeds ids[t] (its embedding: row ids[t] of embed, packed as embed_qtype or dense float32 for F32) and
+// feature [T, F]: the target's captured states when fuse (fc maps them to [T, H]), else the head's own output
+// [T, H]. Weights 0..5 are fc, qkv, o, gate|up, down and the draft LM head (qtype F32: dense float32; an empty
+// bias tensor: none); norms 0..3 the input, hidden, post-attention and final RMSNorm weights; the attention
+// arguments are rope_cache_attend's. Only the tokens `last` [B] (int64 indices into T) go past the attention.
+// Returns (draft-vocabulary logits [B, V_draft], pre-norm output [B, H]).
+std::vector<torch::Tensor> head_layer(torch::Tensor ids, torch::Tensor feature, bool fuse, torch::Tensor embed,
+                                      int64_t embed_qtype, const std::vector<torch::Tensor>& weights,
+                                      const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases,
+                                      const std::vector<torch::Tensor>& norms, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor cos_sin, torch::Tensor write_index,
+                                      torch::Tensor positions, torch::Tensor read_slots, torch::Tensor last,
+                                      int64_t n_heads, int64_t n_kv_heads, double scale, double eps) {
+  TORCH_CHECK(weights.size() == 6 && qtypes.size() == 6 && biases.size() == 6 && norms.size() == 4,
+              "head_layer: 6 weights and biases (fc, qkv, o, gate|up, down, lm_head) and 4 norms (input, hidden, "
+              "post-attention, final)");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && feature.dim() == 2 &&
+                  feature.size(0) == ids.size(0), "head_layer: ids must be [T] int64 and feature [T, F]");
   TORCH_CHECK(last.scalar_type() == torch::kInt64 && last.dim() == 1, "head_layer: last must be [B] int64");
-  const std::vector<torch::Tensor> biases(5, torch::empty({0}, emb.options()));
+  const torch::Tensor rows = embed.index_select(0, ids);
+  const int64_t H = norms[0].numel();
+  const torch::Tensor emb = embed_qtype == F32 ? rows : packed_dequantize(rows, embed_qtype, H);  // [T, H]
+  const torch::Tensor hidden = fuse ? layer_linear(feature, weights, qtypes, biases, 0) : feature;  // [T, H]
   const torch::Tensor x = torch::cat({add_rms_norm(emb, c10::nullopt, norms[0], eps),
-                                      add_rms_norm(feature, c10::nullopt, norms[1], eps)}, 1);  // [T, 2H]
-  const torch::Tensor qkv = layer_linear(x, weights, qtypes, biases, 0);
+                                      add_rms_norm(hidden, c10::nullopt, norms[1], eps)}, 1);  // [T, 2H]
+  const torch::Tensor qkv = layer_linear(x, weights, qtypes, biases, 1);
   const torch::Tensor attn = rope_cache_attend(qkv, cos_sin, k_cache, v_cache, write_index, positions, read_slots,
                                                n_heads, n_kv_heads, scale).index_select(0, last);  // [B, nh * hd]
-  torch::Tensor residual = feature.index_select(0, last);  // [B, H], a copy: the adds below go into it
-  const torch::Tensor h = add_rms_norm(layer_linear(attn, weights, qtypes, biases, 1), residual, norms[2], eps);
-  const torch::Tensor mlp = layer_linear(silu_mul(layer_linear(h, weights, qtypes, biases, 2)), weights, qtypes,
-                                         biases, 3);
+  torch::Tensor residual = hidden.index_select(0, last);  // [B, H], a copy: the adds below go into it
+  const torch::Tensor h = add_rms_norm(layer_linear(attn, weights, qtypes, biases, 2), residual, norms[2], eps);
+  const torch::Tensor mlp = layer_linear(silu_mul(layer_linear(h, weights, qtypes, biases, 3)), weights, qtypes,
+                                         biases, 4);
   const torch::Tensor normed = add_rms_norm(mlp, residual, norms[3], eps);  // residual is now the pre-norm output
-  return {layer_linear(normed, weights, qtypes, biases, 4), residual};
+  return {layer_linear(normed, weights, qtypes, biases, 5), residual};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -232,16 +232,19 @@ class InferenceWeights:
         self._cpu_args: tuple | None = None  # head_layer's weight arguments, built at the first short forward
 
     def cpu_args(self) -> tuple | None:
-        """(weights, qtypes, norms) for kernels/cpu_ops.cpp's head_layer, or None where it does not apply: EAGLE-1,
-        or a tensor the C++ kernels do not take (not float32 on CPU)."""
+        """(weights, qtypes, biases, norms) for kernels/cpu_ops.cpp's head_layer, or None where it does not apply:
+        EAGLE-1, or a tensor the C++ kernels do not take (not float32 on CPU)."""
         if self._cpu_args is None:
             self._cpu_args = ()
-            mats = [self.qkv, self.o, self.gate_up, self.down, self.lm_head]
+            mats = [self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm_head]
             norms = [self.input_layernorm, self.hidden_norm, self.post_attention_layernorm, self.norm]
+            biases = [self.fc_bias] + [None] * 5
+            dense = [m for m in mats if m is not None and not isinstance(m, PackedWeight)]
             if self.cfg.version == 3 and all(t is not None for t in mats + norms) and \
-                    cpu.applies(*norms, *[m for m in mats if not isinstance(m, PackedWeight)]):
+                    cpu.applies(*norms, *dense, *[b for b in biases if b is not None]):
                 self._cpu_args = ([m.data if isinstance(m, PackedWeight) else m for m in mats],
-                                  [m.qtype if isinstance(m, PackedWeight) else F32 for m in mats], norms)
+                                  [m.qtype if isinstance(m, PackedWeight) else F32 for m in mats],
+                                  [b if b is not None else torch.empty(0) for b in biases], norms)
         return self._cpu_args or None
 
     def nbytes(self) -> int:

@@ -20,7 +20,8 @@ import torch
 
 from minispec.kernels import cpu
 from minispec.layers.attention import AttentionMetadata, ForwardBatch, attention
-from minispec.layers.quant import linear
+from minispec.kernels.ggml import F32
+from minispec.layers.quant import PackedWeight, linear
 from minispec.layers.rotary import RotaryEmbedding
 from minispec.models.eagle import EagleHead, InferenceWeights
 from minispec.runner.kv_cache import KVCache
@@ -72,18 +73,18 @@ class HeadRunner:
             for b, i in enumerate(order):
                 feats[b, : lens[b]] = features[i]
         w, cfg = self.weights, self.cfg
-        hidden = w.fuse(feats) if fused else feats  # [B, L, H]
-        emb = self.target.embed_tokens(batch.input_ids).float()  # [B, L, H]
         meta = AttentionMetadata.build(batch, self.rotary(batch.positions), self.kv.k[0],
                                        cfg.num_attention_heads // cfg.num_key_value_heads)
         last = torch.tensor([b * L + lens[b] - 1 for b in range(B)], device=self.device)  # [B] only these go on
-        if meta.fused and (args := w.cpu_args()):  # the steps below in one C++ call, same kernels
+        if meta.fused and (args := self.cpu_args()):  # the steps below in one C++ call, same kernels
             logits, out = cpu.ops().head_layer(
-                emb.view(B * L, -1), hidden.reshape(B * L, -1).contiguous(), *args, self.kv.k[0], self.kv.v[0],
+                batch.input_ids.view(-1), feats.view(B * L, -1), fused, *args, self.kv.k[0], self.kv.v[0],
                 torch.view_as_real(meta.freqs_cis), meta.write_index, batch.positions, batch.read_slots, last,
                 cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim ** -0.5, cfg.rms_norm_eps,
             )  # [B, draft_vocab], [B, H]
         else:
+            hidden = w.fuse(feats) if fused else feats  # [B, L, H]
+            emb = self.target.embed_tokens(batch.input_ids).float()  # [B, L, H]
             x, residual = w.attention_input(emb, hidden)
             qkv = linear(x, w.qkv)
             attn = attention(qkv.contiguous(), meta, self.kv.k[0], self.kv.v[0], cfg.num_attention_heads)
@@ -97,6 +98,19 @@ class HeadRunner:
             logits, out = logits.index_select(0, inv), out.index_select(0, inv)
         self.forward_s += time.perf_counter() - t0
         return logits, out
+
+    def cpu_args(self) -> tuple | None:
+        """head_layer's arguments after the features: the target's token embedding (its packed rows or dense
+        float32 weight, and qtype) and the head's weights (InferenceWeights.cpu_args); None where it does not apply
+        (also under TP, where the embedding is sharded)."""
+        args = self.weights.cpu_args()
+        emb = self.target.embed_tokens
+        if args is None or emb.tp_group.world_size > 1:
+            return None
+        w = emb.weight
+        if isinstance(w, PackedWeight):
+            return (w.data, w.qtype, *args)
+        return (w, F32, *args) if cpu.applies(w) else None
 
     def full_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Draft-vocabulary logits [n, draft_vocab] -> [n, vocab_size], -inf outside the draft vocabulary."""
@@ -181,7 +195,7 @@ class HeadProposer:
         """num_steps head steps for every request; each rank runs them all (the head is small and replicated),
         writes the rows of the requests it owns and draws every request's tokens alike (u [num_reqs, k])."""
         _, mine, rows = owned(reqs, cache)
-        mine = torch.from_numpy(mine).to(self.runner.device)
+        mine = None if mine.all() else torch.from_numpy(mine).to(self.runner.device)  # None: every request is ours
         greedy = all(r.params.greedy for r in reqs)
         sampling = None if greedy else BatchSampling([r.params for r in reqs], self.runner.device)
         drafts = np.empty((len(reqs), num_steps), dtype=np.int64)  # [num_reqs, num_steps]
@@ -200,10 +214,11 @@ class HeadProposer:
         fused = True
         for j in range(num_steps):
             logits, hidden = self.runner.forward(slots, starts, tokens, feats, fused)
+            ours = logits if mine is None else logits[mine]
             if self.runner.identity_vocab:
-                cache.write(rows, j, logits[mine])
+                cache.write(rows, j, ours)
             else:
-                cache.write_subset(rows, j, logits[mine], self.runner.draft_ids)
+                cache.write_subset(rows, j, ours, self.runner.draft_ids)
             if greedy:  # the argmax over the draft vocabulary's rows: a sixth of the full row's work
                 tok = self.runner.draft_ids[greedy_tokens(logits)[0]]
             else:  # drawn from the full row, as the rejection sampler recomputes q from the cache
