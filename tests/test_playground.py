@@ -317,7 +317,31 @@ def test_cost_bench_makes_rank0s_number_of_calls(target_dir, monkeypatch):
     monkeypatch.setattr(bench.target, "step", lambda b, n: steps.append(n))
     monkeypatch.setattr(costs_module, "get_tp_group", lambda: TwoRanks(world_size=2))
     bench.measure(2, repeats=3)
-    assert sorted(steps) == sorted([1] * 4 + [2] * 4 + [3] * 4)  # target, verify1, verify2: 1 + 3 calls each
+    # target, verify1, verify2: 1 + 3 calls each, and a 1-token forward before each of the draft's 1 + 3 samples
+    assert sorted(steps) == sorted([1] * 4 + [2] * 4 + [3] * 4 + [1] * 4)
+
+
+def test_cost_bench_times_drafts_after_a_target_forward(target_dir, monkeypatch):
+    """In generation a draft step follows the target's forward, which streams the target's weights through the caches:
+    every draft sample (the warm-up and each repeat) is timed after an untimed 1-token target forward."""
+    from minispec.models.loader import load_model
+    from minispec.spec_decode import costs as costs_module
+
+    model = load_model(target_dir, dtype=torch.float32, device="cpu").model
+    bench = costs_module.CostBench(model, {"draft": "ngram"}, 2, 2, 16, model.vocab_size, torch.float32, "cpu")
+    calls = []
+    real_step = bench.target.step
+    monkeypatch.setattr(bench.target, "step", lambda b, n: (calls.append(("target", n)), real_step(b, n))[1])
+    real = costs_module._time_after
+
+    def spy(fn, n, before):
+        calls.append(("draft", n))
+        return real(fn, n, before)
+
+    monkeypatch.setattr(costs_module, "_time_after", spy)
+    out = bench.measure(2, repeats=3)
+    drafts = [i for i, c in enumerate(calls) if c[0] == "draft"]
+    assert len(drafts) == 4 and all(calls[i + 1] == ("target", 1) for i in drafts) and out["c"]["draft"] > 0
 
 
 def test_config_and_overrides(tmp_path):

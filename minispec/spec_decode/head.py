@@ -125,12 +125,13 @@ class HeadRunner:
         return HeadRunner(self.weights, self.target, num_slots, max_len, self.device)
 
     def cost_step(self, batch_size: int, context: int):
-        """A timer for one draft step of batch_size requests after `context` positions (spec_decode/costs.py)."""
-        feat = torch.zeros(1, self.cfg.hidden_size)
+        """A timer for one draft step of batch_size requests after `context` positions (spec_decode/costs.py): the
+        first of a proposal, on the target's captured states (fc applied; later steps skip it)."""
+        feat = torch.zeros(1, len(self.cfg.feature_layers) * self.cfg.hidden_size)
         slots = list(range(batch_size))
 
         def step():
-            self.forward(slots, [context] * batch_size, [[0]] * batch_size, [feat] * batch_size, fused=False)
+            self.forward(slots, [context] * batch_size, [[0]] * batch_size, [feat] * batch_size, fused=True)
         return step
 
 
