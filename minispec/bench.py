@@ -292,6 +292,13 @@ def llama_cpp_decode(binary: str, gguf: str, threads: int, max_tokens: int) -> t
         return None, f"llama-bench failed: {one_line(e, limit=None)}"
 
 
+def drafted_share(m: dict) -> float | None:
+    """Of a run's decode verifications (every token after each request's first, less accepted drafts: each
+    verification emits one token beyond its accepted drafts), the share that verified drafts; None without any."""
+    decode = m["num_tokens"] - m["num_requests"] - m["num_accepted_tokens"]
+    return m["num_spec_verifications"] / decode if decode > 0 else None
+
+
 def stream_rate(tok_s: float | None, weight_bytes: int | None, batch_size: int, bandwidth_gb_s: float) -> dict:
     """GB/s of weights a plain decoder streams at tok_s (one weight pass per step of batch_size tokens),
     and its share of the measured bandwidth (the roofline)."""
@@ -469,7 +476,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
             d.update(acceptance_rate=m["acceptance_rate"], mean_accepted_length=m["mean_accepted_length"],
                      measured_speedup=ts / ms_base[key] if ts and ms_base.get(key) else None,
                      num_spec_verifications=m["num_spec_verifications"], num_draft_tokens=m["num_draft_tokens"],
-                     num_accepted_tokens=m["num_accepted_tokens"])
+                     num_accepted_tokens=m["num_accepted_tokens"], drafted_share=drafted_share(m))
         out_rows.append(d)
     if llama is not None:
         out_rows.append(dict(system="llama.cpp", method="target-only", draft=None, batch_size=1, temperature=0.0,
@@ -612,6 +619,10 @@ def format_table(result: dict) -> str:
                          f"acceptance by position (given the earlier ones accepted) "
                          + " / ".join(f"{a:.3f}" for a in acc) + "; tau at k = "
                          + ", ".join(f"{k}: {tau_from_acceptance(acc, k):.2f}" for k in range(1, len(acc) + 1)))
+    for row in result["rows"]:
+        if row.get("drafted_share") is not None:
+            lines.append(f"{draft_label(row['draft'])} adaptive k b={row['batch_size']} T={row['temperature']:g}: "
+                         f"drafted in {row['drafted_share']:.0%} of its decode steps")
     for row in result["rows"]:
         if "greedy_agreement" in row:
             g = row["greedy_agreement"]

@@ -64,6 +64,7 @@ def test_quick_run_table_and_json(quick_run):
     for x in rows:
         if x["method"] == "adaptive-k":
             assert x["measured_speedup"] > 0 and x["alpha"] is None
+            assert x["drafted_share"] is None or x["drafted_share"] >= 0
             continue
         if x["method"] != "speculative":
             assert x["alpha"] is None and x["engine_efficiency"] is None
@@ -166,6 +167,14 @@ def test_batches_cycle_prompts():
     assert [[i for i, _ in x] for x in b] == [[0, 1], [2, 3]]
     assert b[1][1][1] == [1]  # index 3 cycles back to prompt 0
     assert [len(x) for x in bench.batches_of(prompts, 16)] == [16]
+
+
+def test_drafted_share_counts_decode_verifications():
+    """One request, hand-counted: its first token from the prompt, then a step that verified 2 drafts and accepted
+    1 (2 tokens), a step without drafts (1 token), a step that accepted both of 2 (3 tokens)."""
+    m = dict(num_tokens=7, num_requests=1, num_accepted_tokens=3, num_spec_verifications=2)
+    assert bench.drafted_share(m) == pytest.approx(2 / 3)
+    assert bench.drafted_share(dict(m, num_tokens=1, num_accepted_tokens=0, num_spec_verifications=0)) is None
 
 
 def test_stream_rate():
