@@ -31,7 +31,8 @@ from minispec.llm import DEFAULT_TARGET, param_bytes
 from minispec.models.quantize import check_quantization, is_self_draft
 from minispec.spec_decode.costs import measure_costs
 from minispec.tools.config import load_settings
-from minispec.tools.metrics import acceptance_by_position, aggregate, predicted_speedup, tau_from_acceptance
+from minispec.tools.metrics import (acceptance_by_position, aggregate, decode_verifications, predicted_speedup,
+                                    tau_from_acceptance)
 from minispec.tools.prompts import encode_prompts, load_prompt_set
 from minispec.utils import one_line
 
@@ -293,9 +294,9 @@ def llama_cpp_decode(binary: str, gguf: str, threads: int, max_tokens: int) -> t
 
 
 def drafted_share(m: dict) -> float | None:
-    """Of a run's decode verifications (every token after each request's first, less accepted drafts: each
-    verification emits one token beyond its accepted drafts), the share that verified drafts; None without any."""
-    decode = m["num_tokens"] - m["num_requests"] - m["num_accepted_tokens"]
+    """Of a run's decode verifications (tools/metrics.decode_verifications), the share that verified drafts; None
+    without any."""
+    decode = decode_verifications(m)
     return m["num_spec_verifications"] / decode if decode > 0 else None
 
 

@@ -111,8 +111,11 @@ class CostBench:
             else:
                 timers[f"draft:{name}"] = lambda draft=draft: draft.step(b, 1)
                 per_token[name] = 1
-        timer = lambda name, n=1: (_time_after(timers[name], n, timers["target"]) if name.startswith("draft:")  # noqa: E731
-                                   else _time(timers[name], n))
+
+        def timer(name: str, n: int = 1) -> float:
+            if name.startswith("draft:"):  # as in generation: right after a target forward
+                return _time_after(timers[name], n, timers["target"])
+            return _time(timers[name], n)
         # Warm up (a first sample), and batch calls that take under MIN_SAMPLE_S (tiny models) so timer noise
         # stays small.
         times: dict[str, list[float]] = {name: [timer(name)] for name in timers}

@@ -55,17 +55,23 @@ def first_position_rate(m: dict) -> float:
     return m["accepted_per_position"][0] / n if n and m["accepted_per_position"] else 0.0
 
 
+def decode_verifications(m: dict) -> int:
+    """Verifications after the prefill in summed counters: generated tokens - one per request (the prefill) -
+    accepted drafts (each verification emits one token beyond its accepted drafts), at least those with drafts
+    (max_tokens may cut a verification's own token)."""
+    return max(m["num_spec_verifications"], m["num_tokens"] - m["num_requests"] - m["num_accepted_tokens"])
+
+
 def alpha_mle(m: dict) -> float:
     """Maximum-likelihood i.i.d. alpha from the summed counters of a fixed-k run (k = len(accepted_per_position)).
 
     Each decode verification is a run of Bernoulli trials that stops at the first rejection or after k
     acceptances; a verification without any draft (an n-gram miss) counts as a rejection at draft 1.
-    Decode verifications = generated tokens - one per request (the prefill) - accepted drafts.
     """
     k = len(m["accepted_per_position"])
     accepted = m["num_accepted_tokens"]
     all_k = m["accepted_per_position"][k - 1] if k else 0
-    steps = max(m["num_spec_verifications"], m["num_tokens"] - m["num_requests"] - accepted)
+    steps = decode_verifications(m)
     trials = accepted + steps - all_k
     return accepted / trials if trials > 0 else 0.0
 
