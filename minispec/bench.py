@@ -646,8 +646,9 @@ def format_table(result: dict) -> str:
         "self-int8 / self-int4[:N]: the target's own quantised (N-layer) copy as its draft (minispec only).",
         "adaptive-k: the same draft under LLM(adaptive_k=True): one k in [0, k] per step from the requests' running "
         "acceptance, the draft / verify costs measured at the batch size and the engine's own step overhead (0 = "
-        "speculation off where it does not pay); the bench seeds every request, so sampled ones choose their own k "
-        "on the roofline costs (spec_decode/adaptive.py).",
+        "speculation off where it does not pay; spec_decode/adaptive.py).",
+        "The bench seeds every request: at T > 0 each row then generates the target-only row's tokens, and drafts are "
+        "verified by coupling (SamplingParams.coupled), whose acceptance is below the rejection sampler's.",
     ]
     return "\n".join(lines)
 

@@ -122,9 +122,9 @@ class LLM:
     default target, where no proposer pays), None (target only), "ngram" (prompt lookup with n-gram sizes ngram_n = (min_n, max_n)), or a
     draft model (spec or LoadedModel, in draft_dtype) sharing the target's vocabulary.
     draft_dtype: the draft model's dtype (default: dtype); e.g. "bfloat16" for a float32 target.
-    adaptive_k: each step chooses one speculation length for the batch's unseeded requests from their running
-    acceptance and turns speculation off when it does not pay (spec_decode/adaptive.py); a seeded request
-    chooses its own from its own state alone, so that its tokens stay reproducible (SamplingParams.seed).
+    adaptive_k: each step chooses one speculation length for the batch from its requests' running acceptance and
+    turns speculation off when it does not pay (spec_decode/adaptive.py); seeded requests stay reproducible
+    (SamplingParams.seed).
     None (default): on with the "auto" draft, off (fixed k, as sweeps need) with a named one. Adaptive k
     measures the draft and verify costs at every power-of-two batch size up to max_num_seqs here, before
     serving (spec_decode/costs.py).
@@ -188,7 +188,7 @@ class LLM:
         proposer = self._proposer(draft, lookup, target_runner, k, max_num_seqs, kv_len, ngram_n, draft_torch_dtype,
                                   draft_quantization)
         if adaptive_k and proposer is not None:
-            k_policy = self._adaptive_k(proposer, max_num_seqs, torch_dtype, tp)
+            k_policy = self._adaptive_k(proposer, max_num_seqs, torch_dtype)
         self.engine = Engine(target_runner, proposer, config, self.target.eos_token_ids, self.target.vocab_size,
                              k_policy=k_policy if proposer is not None else None, observer=observer)
         self._rng = np.random.default_rng(shared_seed(seed, tp))
@@ -235,23 +235,18 @@ class LLM:
                              kv=target_runner.kv if shared else None)
         return DraftModelProposer(runner, k, shares_target_kv=shared)
 
-    def _adaptive_k(self, proposer, max_num_seqs: int, torch_dtype, tp) -> AdaptiveK:
+    def _adaptive_k(self, proposer, max_num_seqs: int, torch_dtype) -> AdaptiveK:
         """AdaptiveK over draft and verify costs measured on these models at each batch-size bucket, now (before
-        serving). Seeded requests choose their own k on the roofline instead (reproducible): a draft step costs
-        the draft's parameter bytes over the target's, verification is free."""
+        serving)."""
         if self.head is not None:
-            measured, draft_bytes = proposer.runner, proposer.runner.weights.nbytes()
+            measured = proposer.runner
         elif self.draft is None:  # prompt lookup
-            measured, draft_bytes = "ngram", 0
+            measured = "ngram"
         else:
-            measured, draft_bytes = self.draft.model, param_bytes(self.draft.model)
-        k = proposer.k
-        costs = MeasuredCosts(self.target.model, measured, k, max_num_seqs, self.target.vocab_size, torch_dtype,
-                              self.device, repeats=1)
-        c = draft_bytes / param_bytes(self.target.model)
-        if tp.world_size > 1:  # every rank must choose the same k: rank 0's ratio
-            c = float(tp.broadcast(torch.tensor([c], dtype=torch.float64, device=self.device)).item())
-        return AdaptiveK(k, cost_model=costs, seeded_costs=(c, None))
+            measured = self.draft.model
+        costs = MeasuredCosts(self.target.model, measured, proposer.k, max_num_seqs, self.target.vocab_size,
+                              torch_dtype, self.device, repeats=1)
+        return AdaptiveK(proposer.k, cost_model=costs)
 
     @property
     def num_speculative_tokens(self) -> int:

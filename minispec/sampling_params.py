@@ -15,11 +15,12 @@ class SamplingParams:
     """How one request samples: temperature, then top-k, then top-p (transformers' warpers).
 
     temperature 0 means greedy (and any T below 1e-4 is computed without overflow: T = 1e-40 is the argmax).
-    A seed makes the request's tokens the same run to run, in any batch and whichever TP rank verifies it,
-    given the same models and LLM settings, also with adaptive k (a seeded request chooses its own k from
-    its own state) -- unless one of its drafts goes stale (a sharded draft-logits cache, the default at
-    tp > 1, and a token budget that skips its decode), or batched forwards round differently from the
-    request's alone (not on the CPU; possible with GPU kernels). DESIGN.md, Randomness, says exactly what holds.
+    A seed makes the request's tokens the same run to run, in any batch, at any k (adaptive or not), with any draft or
+    none, and whichever TP rank verifies it, given the same target and LLM settings: a seeded sampled request is
+    `coupled` -- the token at each position is the target's own draw with that position's keyed noise, and a draft
+    is accepted iff it equals it (spec_decode/rejection_sampler.coupled_verify). The exception is batched forwards
+    that round differently from the request's alone (not on the CPU; possible with GPU kernels). DESIGN.md,
+    Randomness, says exactly what holds.
     """
 
     temperature: float = 1.0
@@ -73,3 +74,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled with a seed: its tokens are the target's position-keyed draws whatever is drafted."""
+        return self.seed is not None and self.temperature != 0.0

@@ -168,9 +168,9 @@ def test_seeded_sampling_independent_of_batch(target_dir, draft_dir, draft):
 
 
 def test_seeded_requests_reproducible_under_adaptive_k(target_dir, draft_dir):
-    """Adaptive k: a seeded request chooses its own k from its own state (AdaptiveK seeded_costs), so its
-    tokens are the same in a fresh LLM, alone or beside unseeded requests, even when the costs measured for
-    the batch (here: drafting pays alone, not at batch size 4) give the others another k."""
+    """Adaptive k: a seeded request shares the batch's k, yet its tokens are the same in a fresh LLM, alone or beside
+    unseeded requests, when the costs measured for the batch (here: drafting pays alone, not at batch size 4)
+    give it another k, and they are target-only's tokens for that seed (SamplingParams.coupled)."""
     def build():
         llm = LLM(target=target_dir, draft=draft_dir, num_speculative_tokens=3, max_num_seqs=4, adaptive_k=True)
         llm.engine.k_policy.cost_model = lambda b: (0.0, None) if b == 1 else (2.0, [1.0, 3.0, 4.0, 5.0])
@@ -182,10 +182,31 @@ def test_seeded_requests_reproducible_under_adaptive_k(target_dir, draft_dir):
     alone = llm.generate([PROMPTS[0]], seeded)[0]
     batch = llm.generate(PROMPTS, [seeded, unseeded, unseeded, unseeded])
     assert batch[0].token_ids == alone.token_ids
-    for key in ("num_spec_verifications", "num_draft_tokens", "num_accepted_tokens"):  # the same k at every step
-        assert batch[0].metrics[key] == alone.metrics[key]
+    assert batch[0].metrics["num_draft_tokens"] < alone.metrics["num_draft_tokens"]  # another k at some steps
     assert build().generate([PROMPTS[0]], seeded)[0].token_ids == alone.token_ids
     assert build().generate(PROMPTS[::-1], [unseeded] * 3 + [seeded])[3].token_ids == alone.token_ids
+    assert LLM(target=target_dir).generate([PROMPTS[0]], seeded)[0].token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("draft", ["model", "head", "ngram"])
+def test_coupled_tokens_are_target_only_tokens(target_dir, draft_dir, draft):
+    """A seeded sampled request's tokens equal target-only's for its seed at every k, with any proposer, and its
+    drafts are accepted at times (the draft draws with the target's position-keyed noise)."""
+    from minispec.models.loader import load_model
+    from minispec.tools.tiny import make_tiny_head
+
+    target = load_model(target_dir, dtype=torch.float32, device=torch.device("cpu"))
+    proposer = {"model": draft_dir, "ngram": "ngram",
+                "head": make_tiny_head(target.config, version=3, draft_vocab_size=40, seed=7) if draft == "head" else None}
+    sp = [SamplingParams(temperature=t, top_k=tk, top_p=tp, max_tokens=20, seed=50 + i, ignore_eos=True)
+          for i, (t, tk, tp) in enumerate([(1.0, 0, 1.0), (0.7, 20, 0.9), (0.3, 0, 0.8), (1.3, 5, 1.0)])]
+    ref = [o.token_ids for o in LLM(target=target).generate(PROMPTS, sp)]
+    accepted = 0
+    for k in (1, 2, 3):
+        outs = LLM(target=target, draft=proposer[draft], num_speculative_tokens=k, max_num_seqs=4).generate(PROMPTS, sp)
+        assert [o.token_ids for o in outs] == ref, f"k={k}"
+        accepted += sum(o.metrics["num_accepted_tokens"] for o in outs)
+    assert accepted > 0
 
 
 def test_abort_frees_slot(target_dir, draft_dir):

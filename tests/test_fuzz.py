@@ -6,7 +6,8 @@ draft-logits cache layout (sharded / replicated). Invariants checked on every ex
 
 * greedy outputs equal target-only greedy of the same prompt (cut at max_tokens, a stop token, the
   context); an aborted request's output is a prefix of it;
-* a seeded sampled request with no stale drafts gives the tokens it gives alone with no skips;
+* a seeded sampled (coupled) request gives the tokens target-only decoding gives it alone, stale drafts or
+  not; unseeded sampled requests go through the rejection sampler;
 * no stale draft and no placeholder draft is ever accepted, and accepted tokens are the drafts (checked
   on every call of the rejection sampler, which the engine module is made to call through a wrapper);
 * every draft-logits row read at verification is fresh or flagged stale, by the test's own record of
@@ -154,12 +155,26 @@ def spy_rejection_sampler():
         return verdict
 
     real_greedy = rs_mod.greedy_accept
+    real_coupled = engine_mod.coupled_verify
+    in_coupled = []  # non-empty while coupled_verify runs (its greedy_accept covers a subset of the batch)
 
     def greedy_spy(argmax, draft_tokens, cu, k):  # the engine's host path for all-greedy batches of a replicated cache
+        if in_coupled:
+            return real_greedy(argmax, draft_tokens, cu, k)
         d, c = torch.from_numpy(draft_tokens), torch.from_numpy(cu)
         check_rows_read(None, None, d, None, c)  # no cache is read: freshness of the rows only
         tokens, num_sampled = real_greedy(argmax, draft_tokens, cu, k)
         check_verdict(d, None, c, torch.from_numpy(tokens), torch.from_numpy(num_sampled))
+        return tokens, num_sampled
+
+    def coupled_spy(logits, draft_tokens, cu, *args):  # the coupled requests (stale drafts arrive as -1)
+        in_coupled.append(True)
+        try:
+            tokens, num_sampled = real_coupled(logits, draft_tokens, cu, *args)
+        finally:
+            in_coupled.clear()
+        check_verdict(draft_tokens, None, cu, tokens, num_sampled)
+        STATS["checks: coupled verdicts"] += 1
         return tokens, num_sampled
 
     def current(self, reqs, *args):
@@ -169,6 +184,7 @@ def spy_rejection_sampler():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_mod, "rejection_sample", spy)
         mp.setattr(rs_mod, "greedy_accept", greedy_spy)
+        mp.setattr(engine_mod, "coupled_verify", coupled_spy)
         mp.setattr(engine_mod.Verifier, "_sample_mine", current)
         yield
 
@@ -360,7 +376,7 @@ def request_st(draw, engine_k: int, max_arrival: int):
         temperature=draw(st.sampled_from([0.3, 0.8, 1.0, 1.7])),
         top_k=draw(st.sampled_from([0, 1, 5, 50])),
         top_p=draw(st.sampled_from([1.0, 0.9, 0.3])),
-        seed=draw(st.integers(0, 2**40)),
+        seed=draw(st.none() | st.integers(0, 2**40)),  # None: the rejection sampler; a seed: coupled
     )
     return dict(
         prompt=prompt,
@@ -397,7 +413,7 @@ def build_specs(ref_llm, raw: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_engine_invariants_under_random_arrivals(llms, name):
     exercised = fuzz(20, random_arrivals, llms, name)
-    require(exercised, "chunked prefills", "aborts", "checks: seeded sample independent of batch and skips")
+    require(exercised, "chunked prefills", "aborts", "checks: coupled sample equals target-only alone")
     if VARIANTS[name][0] is not None:
         require(exercised, "skipped decodes", "drafts accepted", "drafts rejected", "checks: stale flags vs last writer",
                 "checks: draft-logits rows read")
@@ -419,15 +435,15 @@ def random_arrivals(llms, name, data):
     check_engine_empty(llm)
     check_outputs(name, specs, deltas, engine_k)
 
-    # Seeded sampled requests that saw no stale draft give the tokens they give alone, unhurried.
-    again = [dict(s, arrival=0, abort=None) for s in specs
-             if not s["greedy"] and s["req"].finish_reason != "abort" and s["req"].metrics.num_stale_drafts == 0]
+    # Coupled requests give the tokens target-only decoding gives each alone, unhurried.
+    again = [dict(s, arrival=0, abort=None) for s in specs if s["params"].coupled and s["req"].finish_reason != "abort"]
     if again:
-        alone, _ = run_requests(llm, again, 2048)
-        check_engine_empty(llm)
-        for s, req in zip(again, alone.values()):
-            assert req.output_token_ids == s["req"].output_token_ids, name
-            STATS["checks: seeded sample independent of batch and skips"] += 1
+        batched = [s["req"].output_token_ids for s in again]  # run_requests sets each copy's "req" anew
+        alone, _ = run_requests(fresh(llms["none"]), again, 2048)
+        check_engine_empty(llms["none"])
+        for got, req in zip(batched, alone.values()):
+            assert req.output_token_ids == got, name
+            STATS["checks: coupled sample equals target-only alone"] += 1
 
 
 def check_outputs(name: str, specs: list[dict], deltas: dict, engine_k: int) -> None:

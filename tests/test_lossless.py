@@ -1,7 +1,7 @@
-"""Lossless end to end: seeded engine samples follow the target's exact token laws (chi-square tests).
+"""Lossless end to end: engine samples follow the target's exact token laws (chi-square tests).
 
 A tiny random target over a 32-token vocabulary and a different tiny random draft. For each
-sampling setting the engine runs N requests of one prompt with distinct seeds; the counts of the
+sampling setting the engine runs N unseeded requests of one prompt (an LLM seed fixes their seeds); the counts of the
 1st, 2nd and 3rd generated tokens are tested against the exact marginals, enumerated with
 transformers' model: P(t1) = p(. | prompt), P(t2) = sum_x P(t1=x) p(. | prompt x), and so on.
 With a draft, t1 comes from the prefill (no drafts) while t2 and t3 go through the rejection
@@ -10,7 +10,8 @@ two broken engines (every draft accepted; rejected drafts resampled from p inste
 must fail, so the tests can fail. Acceptance counts are tested against the exact acceptance
 probabilities E[sum min(p, q)]. With k = 1, t3 is the bonus token whenever d1 was accepted.
 Two more runs keep the laws: a token budget that skips decodes so that (sharded cache) drafts go
-stale, and tp = 2 under torchrun (gloo), with skips as well.
+stale, and tp = 2 under torchrun (gloo), with skips as well. Seeded requests go through coupled
+verification instead (SamplingParams.coupled): their laws, and their exact acceptance rate.
 """
 import json
 import math
@@ -90,6 +91,15 @@ class ExactLaws:
         both = torch.minimum(self.p2, self.q2)  # [V, V] P(d1 = y and accepted | t1)
         return self.p1 @ (both + (1 - both.sum(-1, keepdim=True)) * self.p2)
 
+    def coupled_acceptance(self) -> float:
+        """P(d1 accepted) under coupled verification: d1 = argmax(q / E) and t2 = argmax(p / E) with one noise E,
+        so P(both are y) = 1 / sum_z max(p_z / p_y, q_z / q_y) = p_y q_y / sum_z max(p_z q_y, q_z p_y)."""
+        p, q = self.p2.unsqueeze(1), self.q2.unsqueeze(1)  # [V (t1), 1, V (z)]
+        py, qy = self.p2.unsqueeze(2), self.q2.unsqueeze(2)  # [V (t1), V (y), 1]
+        denom = torch.maximum(p * qy, q * py).sum(-1)  # [V (t1), V (y)]
+        both = torch.where(denom > 0, self.p2 * self.q2 / denom.clamp_min(1e-300), 0.0)  # [V (t1), V (y)]
+        return float(self.p1 @ both.sum(-1))
+
     def acceptance(self) -> tuple[float, float]:
         """P(d1 accepted) and P(d1 and d2 accepted) in the first verification."""
         a2 = torch.minimum(self.p2, self.q2)  # [V, V]
@@ -132,9 +142,11 @@ def engines(target_dir, draft_dir):
     return get
 
 
-def sample_counts(llm: LLM, settings: dict, seed0: int):
-    """Run N seeded requests of PROMPT for NUM_TOKENS tokens; counts [NUM_TOKENS, V] and the outputs."""
-    params = [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=seed0 + i, **settings) for i in range(N)]
+def sample_counts(llm: LLM, settings: dict, seed0: int | None = None):
+    """Run N requests of PROMPT for NUM_TOKENS tokens; counts [NUM_TOKENS, V] and the outputs. seed0: seeded requests
+    (SamplingParams.coupled), else unseeded ones (the rejection sampler), whose seeds the LLM's seed fixes."""
+    params = [SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, seed=None if seed0 is None else seed0 + i,
+                             **settings) for i in range(N)]
     outs = llm.generate([PROMPT] * N, params)
     return counts_of([o.token_ids for o in outs]), outs
 
@@ -167,7 +179,7 @@ def test_chi2_sf_matches_closed_forms():
 def test_speculative_sampling_matches_target_law(engines, hf_models, name, settings, k, device):
     idx = [s[0] for s in SETTINGS].index(name)
     exact = ExactLaws(*hf_models, SamplingParams(**settings))
-    counts, outs = sample_counts(engines(k, device=device), settings, seed0=1_000_000 * (idx + 1))
+    counts, outs = sample_counts(engines(k, device=device, seed=1_000_000 * (idx + 1)), settings)
     check_marginals(f"draft k={k} {name} {device}", counts, exact.target())
 
     # The same t2 counts reject the laws of two broken engines: the test above can fail.
@@ -194,12 +206,31 @@ def test_speculative_sampling_matches_target_law(engines, hf_models, name, setti
 def test_target_only_sampling_matches_target_law(engines, hf_models, name, settings, k, device):
     exact = ExactLaws(*hf_models, SamplingParams(**settings))
     idx = [s[0] for s in TARGET_ONLY_SETTINGS].index(name)
-    counts, _ = sample_counts(engines(0, device=device), settings, seed0=100_000_000 + 1_000_000 * idx)
+    counts, _ = sample_counts(engines(0, device=device, seed=100_000_000 + 1_000_000 * idx), settings)
     check_marginals(f"target-only {name} {device}", counts, exact.target())
     # And not the draft's law: sanity of the statistic on t1, which the prefill samples from p.
     stat, dof, p, _ = chi2_test(counts[0], next_token_probs(hf_models[1], [PROMPT], SamplingParams(**settings))[0])
     print(f"\n[lossless] target-only {name} t1 vs draft law: chi2={stat:.2f} dof={dof} p={p:.2e}", end="")
     assert p < ALPHA
+
+
+COUPLED_SETTINGS = [SETTINGS[0], SETTINGS[6]]
+
+
+@pytest.mark.parametrize("name, settings, k", COUPLED_SETTINGS, ids=[s[0] for s in COUPLED_SETTINGS])
+def test_coupled_sampling_matches_target_law(engines, hf_models, name, settings, k):
+    """Seeded requests (coupled verification): the target's laws, and d1 accepted at the coupled rate, which the
+    rejection sampler's rate sum_x min(p, q) would fail (the draft draws with the target's noise)."""
+    exact = ExactLaws(*hf_models, SamplingParams(**settings))
+    idx = [s[0] for s in COUPLED_SETTINGS].index(name)
+    counts, outs = sample_counts(engines(k), settings, seed0=300_000_000 + 1_000_000 * idx)
+    check_marginals(f"coupled k={k} {name}", counts, exact.target())
+    got = sum(o.metrics["num_spec_verifications"] == 1 for o in outs)
+    for what, prob, holds in (("coupled", exact.coupled_acceptance(), True), ("rejection", exact.acceptance()[0], False)):
+        z, p = binomial_test(got, N, prob)
+        print(f"\n[lossless] coupled k={k} {name} P(d1 accepted) vs {what} rate {prob:.4f}: observed={got / N:.4f} "
+              f"z={z:+.2f} p={p:.2e}", end="")
+        assert (p >= ALPHA) == holds, f"{name}: P(d1 accepted) {got / N:.4f} against the {what} rate {prob:.4f}"
 
 
 def test_skips_and_stale_drafts_keep_the_target_law(engines, hf_models):
@@ -209,8 +240,8 @@ def test_skips_and_stale_drafts_keep_the_target_law(engines, hf_models):
     their tokens drawn from p: the laws stay the target's."""
     settings = dict(temperature=1.0)
     exact = ExactLaws(*hf_models, SamplingParams(**settings))
-    llm = engines(2, max_num_seqs=64, max_num_batched_tokens=200, shard_draft_logits=True)
-    counts, outs = sample_counts(llm, settings, seed0=500_000_000)
+    llm = engines(2, max_num_seqs=64, max_num_batched_tokens=200, shard_draft_logits=True, seed=500_000_000)
+    counts, outs = sample_counts(llm, settings)
     check_marginals("draft k=2 skips + stale", counts, exact.target())
     stale = sum(o.metrics["num_stale_drafts"] for o in outs)
     drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
@@ -230,10 +261,11 @@ def test_head_sampling_matches_target_law(target_dir, hf_models, name, settings,
 
     target = load_model(target_dir, dtype=torch.float32, device=torch.device("cpu"))
     head = make_tiny_head(target.config, version=3, draft_vocab_size=20, seed=7)
-    llm = LLM(target, draft=head, num_speculative_tokens=k, max_num_seqs=256, max_num_batched_tokens=4096)
-    exact = ExactLaws(*hf_models, SamplingParams(**settings))
     idx = [s[0] for s in HEAD_SETTINGS].index(name)
-    counts, outs = sample_counts(llm, settings, seed0=700_000_000 + 1_000_000 * idx)
+    llm = LLM(target, draft=head, num_speculative_tokens=k, max_num_seqs=256, max_num_batched_tokens=4096,
+              seed=700_000_000 + 1_000_000 * idx)
+    exact = ExactLaws(*hf_models, SamplingParams(**settings))
+    counts, outs = sample_counts(llm, settings)
     check_marginals(f"head k={k} {name}", counts, exact.target())
     accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
     drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
@@ -245,7 +277,7 @@ def test_tp2_sampling_matches_target_law(target_dir, draft_dir, hf_models, tmp_p
     cache; a budget that skips decodes, so drafts also go stale across ranks. N / 2 requests (two processes on
     a 2-core machine are slow)."""
     settings = dict(temperature=0.9, top_k=20)
-    cfg = dict(target=target_dir, draft=draft_dir, k=2, prompt=PROMPT, n=N // 2, seed0=700_000_000, settings=settings,
+    cfg = dict(target=target_dir, draft=draft_dir, k=2, prompt=PROMPT, n=N // 2, seed=700_000_000, settings=settings,
                max_tokens=NUM_TOKENS, llm=dict(max_num_seqs=64, max_num_batched_tokens=200),
                out=str(tmp_path / "tp2.json"))
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))

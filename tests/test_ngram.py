@@ -295,10 +295,11 @@ def chi2_ok(counts: np.ndarray, probs: torch.Tensor, min_expected: float = 5.0) 
     return stat < df * (1.0 - c + 3.719 * math.sqrt(c)) ** 3
 
 
-def sample_three(llm, prompt, n, temperature, top_k, top_p):
-    """The first three tokens of n seeded requests, and the batch's accepted and draft token counts."""
-    sp = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=3, seed=i,
-                         ignore_eos=True) for i in range(n)]
+def sample_three(llm, prompt, n, temperature, top_k, top_p, coupled=False):
+    """The first three tokens of n requests, and the batch's accepted and draft token counts. coupled: seeded
+    requests (SamplingParams.coupled), else unseeded ones, whose seeds come from the LLM's generator."""
+    sp = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=3,
+                         seed=i if coupled else None, ignore_eos=True) for i in range(n)]
     outs = llm.generate([prompt] * n, sp)
     toks = np.array([o.token_ids for o in outs])  # [n, 3]
     accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
@@ -313,12 +314,13 @@ def counts_of(toks: np.ndarray):
     return c1, c12, c3
 
 
+@pytest.mark.parametrize("coupled", [False, True])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 10, 0.9)])
-def test_sampled_tokens_follow_target(small_vocab, temperature, top_k, top_p):
+def test_sampled_tokens_follow_target(small_vocab, temperature, top_k, top_p, coupled):
     path, model, prompt = small_vocab
     p1, p12, p3 = exact_probs(model, prompt, temperature, top_k, top_p)
-    llm = ngram_llm(path, 3, max_num_seqs=128)
-    toks, accepted, drafted = sample_three(llm, prompt, 4000, temperature, top_k, top_p)
+    llm = ngram_llm(path, 3, max_num_seqs=128, seed=0)
+    toks, accepted, drafted = sample_three(llm, prompt, 4000, temperature, top_k, top_p, coupled)
     assert 0 < accepted < drafted  # both the accept and the residual paths ran
     c1, c12, c3 = counts_of(toks)
     assert chi2_ok(c1, p1)
@@ -336,10 +338,11 @@ class UniformLogitsNgram(NgramProposer):
 
 
 def test_chi_square_detects_wrong_draft_logits(small_vocab):
-    """The check has power: drafts verified against the wrong q are accepted too often."""
+    """The check has power: drafts verified against the wrong q are accepted too often (the rejection sampler's
+    path; the coupled one never reads q)."""
     path, model, prompt = small_vocab
     p1, p12, _ = exact_probs(model, prompt, 1.0, 0, 1.0)
-    llm = ngram_llm(path, 3, max_num_seqs=128)
+    llm = ngram_llm(path, 3, max_num_seqs=128, seed=0)
     llm.engine.proposer = UniformLogitsNgram(3)
     toks, _, _ = sample_three(llm, prompt, 1500, 1.0, 0, 1.0)
     c1, c12, _ = counts_of(toks)

@@ -508,3 +508,43 @@ def test_batch_without_drafts_takes_the_general_paths_tokens(use_triton):
         general = rejection_sample(*args, use_triton=use_triton, return_probs=True)[:2]
         assert torch.equal(fast[0], general[0]) and torch.equal(fast[1], general[1]), trial
         assert fast[0][1, 0] == target[1].argmax() and fast[0][6, 0] == target[6].argmax()
+
+
+def test_coupled_verify_accepts_drafts_equal_to_the_targets_draws():
+    """coupled_verify against a loop on its definition: the token at every position is the target's race
+    argmax(p / E) with that position's noise, drafts are accepted while they equal it, a -1 never; the
+    drafts here are drawn with the same noise from a nearby q (so some are accepted, some not), greedy rows
+    included."""
+    from minispec.spec_decode.rejection_sampler import coupled_verify
+
+    g = torch.Generator().manual_seed(5)
+    vocab, max_drafts = 50, 3
+    num_drafts = [3, 0, 2, 1, 3]
+    temperature = torch.tensor([1.0, 0.7, 0.0, 1.2, 0.9])
+    top_k = torch.tensor([0, 10, 0, 0, 5])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.8, 1.0])
+    cu = torch.tensor([0] + list(itertools.accumulate(n + 1 for n in num_drafts)))
+    rep = lambda x: torch.repeat_interleave(x, torch.tensor(num_drafts) + 1)  # noqa: E731
+    accepted = rejected = 0
+    for trial in range(30):
+        target = torch.randn(int(cu[-1]), vocab, generator=g) * 2
+        draft = target + torch.randn(target.shape, generator=g)
+        noise = torch.empty(target.shape).exponential_(generator=g)
+        p = probs_from_logits(target, rep(temperature), rep(top_k), rep(top_p))
+        drawn = sample(p, noise)  # [num_logits] the target's draw at every position
+        drafts = sample(probs_from_logits(draft, rep(temperature), rep(top_k), rep(top_p)), noise)
+        drafts[cu[1:] - 1] = -1  # bonus positions verify nothing
+        drafts[torch.rand(drafts.shape, generator=g) < 0.1] = -1  # placeholders
+        tokens, num_sampled = coupled_verify(target, drafts, cu, temperature, top_k, top_p, noise, max_drafts)
+        for r, n in enumerate(num_drafts):
+            start = int(cu[r])
+            a = 0
+            while a < n and drafts[start + a] >= 0 and drafts[start + a] == drawn[start + a]:
+                a += 1
+            accepted += a
+            rejected += a < n
+            assert int(num_sampled[r]) == a + 1, (trial, r)
+            assert tokens[r, : a + 1].tolist() == drawn[start : start + a + 1].tolist(), (trial, r)
+            assert (tokens[r, a + 1 :] == -1).all()
+        assert tokens[2, 0] == target[int(cu[2])].argmax()  # greedy: the argmax
+    assert accepted > 0 and rejected > 0

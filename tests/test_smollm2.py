@@ -177,8 +177,8 @@ def test_tight_budget_skips_and_still_equals_transformers(hf_outputs):
 
 def test_shipped_pair_seeded_sampling_is_reproducible():
     """The reported case: the shipped draft with adaptive k (LLM()'s default then), T = 0.8, top_p = 0.95, seed = 1234 gave two outputs
-    run alone twice and a third in a batch of four. A seeded request now chooses its own k from its own state.
-    (The others are seeded too, so no costs are measured: test_engine covers a batch with unseeded requests.)"""
+    run alone twice and a third in a batch of four. Seeded sampled requests are now coupled: the same tokens alone,
+    again and in a batch, whatever k adaptive k chooses."""
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=1234 + i) for i in range(4)]
     llm = LLM(draft="smollm2-135m-instruct-draft", draft_quantization="int8", adaptive_k=True, max_num_seqs=4)
     alone = llm.generate([PROMPTS[0]], params[0], use_chat_template=True)[0].token_ids

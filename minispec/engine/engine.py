@@ -19,7 +19,7 @@ from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.adaptive import KPolicy, as_k_policy
 from minispec.spec_decode.draft_logits import DraftLogitsCache, shard_owners
 from minispec.spec_decode.proposer import Proposer
-from minispec.spec_decode.rejection_sampler import greedy_verify, rejection_sample
+from minispec.spec_decode.rejection_sampler import coupled_verify, greedy_verify, rejection_sample
 
 
 @dataclass(slots=True)
@@ -103,8 +103,10 @@ class Verifier:
         owners = self._owners(slots)  # [num_reqs]
         num_logits_v = np.array([1 + r.num_drafts for r in reqs], dtype=np.int64)
         logits = to_owners(self.tp, logits, np.repeat(owners, num_logits_v))[:, : self.vocab_size]
-        # Every rank draws every request's randomness (streams stay in step), owners use theirs.
-        u, noise = verify_draws([None if r.params.greedy else r.random.sampler for r in reqs], self.k, self.vocab_size)
+        # Every rank draws every request's stream randomness (streams stay in step), owners use theirs; a coupled
+        # request's position-keyed noise is its owner's alone (_verify_coupled).
+        u, noise = verify_draws([None if r.params.greedy or r.params.coupled else r.random.sampler for r in reqs], self.k,
+                                self.vocab_size)
         mine = owners == self.tp.rank_in_group
         if not mine.all():
             u, noise = u[torch.from_numpy(mine)], noise[torch.from_numpy(mine)]
@@ -122,40 +124,49 @@ class Verifier:
 
     def _sample_mine(self, reqs: list[Request], slots: np.ndarray, num_logits: np.ndarray, logits: torch.Tensor,
                      u: torch.Tensor, noise: torch.Tensor) -> Verdict:
-        """Rejection-sample the requests this rank owns (logits [num_logits, V], u [num_reqs, k], noise [num_reqs, V])."""
+        """Verify the requests this rank owns (logits [num_logits, V], u [num_reqs, k], noise [num_reqs, V]): the
+        rejection sampler, and coupled_verify for the coupled ones (SamplingParams.coupled)."""
         k, n = self.k, len(reqs)
         if not reqs:
             empty = torch.zeros(0, dtype=torch.int64)
             return Verdict(torch.zeros(0, k + 1, dtype=torch.int64), empty, empty, empty.bool())
         record_beta = self.observer.record_beta and self.draft_logits is not None
-        sampled = any(not r.params.greedy for r in reqs)
+        coupled = np.array([r.params.coupled for r in reqs], dtype=bool)  # [num_reqs]
+        drawn = any(not (r.params.greedy or c) for r, c in zip(reqs, coupled))  # the rejection sampler draws tokens
         cu_np = logits_offsets(num_logits)  # [num_reqs + 1]
         draft_tokens = np.full(int(cu_np[-1]), -1, dtype=np.int64)  # [num_logits]
         for r, start in zip(reqs, cu_np[:-1]):
             if r.num_drafts:
                 draft_tokens[start : start + r.num_drafts] = r.drafts
-        if not sampled and not record_beta and (self.draft_logits is None or not self.draft_logits.sharded):
+        if not (drawn or coupled.any() or record_beta) and (self.draft_logits is None or not self.draft_logits.sharded):
             return self._greedy(logits, draft_tokens, cu_np)
         batch = InputBatch.build([r.req_id for r in reqs], slots, num_logits, self.device, cu_np)
         draft_tokens_t = torch.from_numpy(draft_tokens).to(self.device)
         draft_logits, stale = logits, None  # without a cache or drafts every logits position is a bonus
         if self.draft_logits is not None and int(cu_np[-1]) > n:
             cache = self.draft_logits
-            if sampled or record_beta:  # all-greedy verification compares tokens only
+            if drawn or record_beta:  # greedy and coupled verification compare tokens only
                 steps = batch.expanded_local_pos.long().clamp(max=k - 1)  # [num_logits]
                 draft_logits = cache.read(batch.expanded_slots.long(), steps)  # [num_logits, V]
             stale = cache.stale_drafts(batch)
             if stale is not None:
                 stale = stale & (draft_tokens_t >= 0)
         sampling = BatchSampling([r.params for r in reqs], self.device)
-        cu = torch.from_numpy(batch.cu_num_logits_np).to(self.device)
-        out = rejection_sample(
-            logits, draft_logits, draft_tokens_t, stale, cu, sampling.temperature, sampling.top_k,
-            sampling.top_p, u[:, : int(num_logits.max()) - 1].to(self.device), noise.to(self.device),
-            return_probs=record_beta,
-        )
         tokens = torch.full((n, k + 1), -1, dtype=torch.int64)  # [num_reqs, k + 1]
-        tokens[:, : out[0].shape[1]] = out[0].cpu()
+        num_sampled = torch.zeros(n, dtype=torch.int64)  # [num_reqs]
+        if not coupled.all() or record_beta:
+            cu = torch.from_numpy(batch.cu_num_logits_np).to(self.device)
+            out = rejection_sample(
+                logits, draft_logits, draft_tokens_t, stale, cu, sampling.temperature, sampling.top_k,
+                sampling.top_p, u[:, : int(num_logits.max()) - 1].to(self.device), noise.to(self.device),
+                return_probs=record_beta,
+            )
+            tokens[:, : out[0].shape[1]] = out[0].cpu()
+            num_sampled[:] = out[1].cpu()
+            if record_beta:
+                self._record_beta(reqs, batch, draft_tokens, stale, *out[2:])
+        if coupled.any():
+            self._verify_coupled(reqs, coupled, cu_np, logits, draft_tokens_t, stale, sampling, tokens, num_sampled)
         # A target that emits NaN or +inf logits cannot be sampled from: the request ends with an error.
         bad_pos = ~torch.isfinite(logits.amax(dim=-1)).cpu()  # [num_logits]; NaN, +inf or nothing finite
         req_of_pos = torch.repeat_interleave(torch.arange(n), torch.from_numpy(num_logits))  # [num_logits]
@@ -163,9 +174,26 @@ class Verifier:
         num_stale = torch.zeros(n, dtype=torch.int64)  # [num_reqs]
         if stale is not None:
             num_stale.index_add_(0, req_of_pos, stale.cpu().long())
-        if record_beta:
-            self._record_beta(reqs, batch, draft_tokens, stale, *out[2:])
-        return Verdict(tokens, out[1].cpu().to(torch.int64), num_stale, bad)
+        return Verdict(tokens, num_sampled, num_stale, bad)
+
+    def _verify_coupled(self, reqs: list[Request], coupled: np.ndarray, cu_np: np.ndarray, logits: torch.Tensor,
+                        draft_tokens: torch.Tensor, stale: torch.Tensor | None, sampling: BatchSampling,
+                        tokens: torch.Tensor, num_sampled: torch.Tensor) -> None:
+        """Write coupled_verify's verdict into tokens [num_reqs, k + 1] and num_sampled [num_reqs] for the requests
+        with coupled [num_reqs] set. Logits position j of a request draws the token at position len(token_ids) + j."""
+        idx = np.flatnonzero(coupled)
+        num_logits = np.diff(cu_np)[idx]  # [num_coupled]
+        drafts = draft_tokens if stale is None else torch.where(stale, -1, draft_tokens)  # [num_logits]; stale: rejected
+        if len(idx) < len(reqs):
+            pos = torch.from_numpy(np.concatenate([np.arange(cu_np[i], cu_np[i + 1]) for i in idx])).to(self.device)
+            logits, drafts = logits[pos], drafts[pos]
+        noise = torch.cat([reqs[i].random.position_noise(len(reqs[i].token_ids), int(m), self.vocab_size)
+                           for i, m in zip(idx, num_logits)])  # [num_coupled_logits, V]
+        at = torch.from_numpy(idx).to(self.device)
+        got, got_n = coupled_verify(logits, drafts, torch.from_numpy(logits_offsets(num_logits)).to(self.device),
+                                    sampling.temperature[at], sampling.top_k[at], sampling.top_p[at], noise, self.k)
+        tokens[idx] = got
+        num_sampled[idx] = got_n
 
     def _greedy(self, logits: torch.Tensor, draft_tokens: np.ndarray, cu_num_logits: np.ndarray) -> Verdict:
         """An all-greedy batch whose drafts cannot be stale (logits [num_logits, V]): one argmax pass, then

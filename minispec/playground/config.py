@@ -31,7 +31,7 @@ class PlaygroundConfig:
     max_tokens: int = 64
     chat: bool = True  # chat template (when the target's tokenizer has one)
     ignore_eos: bool = True  # every run generates exactly max_tokens per prompt, so tokens/s compare
-    seed: int = 0  # prompt i samples with seed + i in every configuration
+    seed: int = 0  # every configuration's LLM: its requests draw their seeds from it in the same order
     dtype: str = "float32"
     ngram_n: list = field(default_factory=lambda: [1, 3])
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default

@@ -252,8 +252,9 @@ class _Sweep:
 
     def params(self, t: float, top_p: float, n: int) -> list[SamplingParams]:
         cfg = self.cfg
-        return [SamplingParams(temperature=t, top_p=top_p, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos,
-                               seed=cfg.seed + i) for i in range(n)]
+        # Unseeded: the rejection sampler verifies (beta is its acceptance); the LLM's seed fixes the requests' seeds.
+        return [SamplingParams(temperature=t, top_p=top_p, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
+                for _ in range(n)]
 
     def warm(self, llm: LLM, encoded: dict) -> None:
         """One short untimed generate: first-call allocations stay out of the timed runs."""

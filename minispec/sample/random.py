@@ -8,16 +8,18 @@ import torch
 
 DRAFT_STREAM = 0
 SAMPLER_STREAM = 1
+POSITION_STREAM = 2  # the position-keyed noise of coupled requests, one generator per token position
 
 
-def _stream_seed(seed: int, stream: int) -> int:
-    """A well-mixed 63-bit seed for one stream of a request seed (SeedSequence hashing)."""
-    state = np.random.SeedSequence([seed & (2**64 - 1), stream]).generate_state(1, dtype=np.uint64)
+def _stream_seed(seed: int, stream: int, *key: int) -> int:
+    """A well-mixed 63-bit seed for one stream of a request seed (SeedSequence hashing), optionally keyed further."""
+    state = np.random.SeedSequence([seed & (2**64 - 1), stream, *key]).generate_state(1, dtype=np.uint64)
     return int(state[0]) & (2**63 - 1)
 
 
 class RequestRandom:
-    """Two independent generators from one seed: `draft` (draft sampling) and `sampler` (the rejection sampler).
+    """Independent generators from one seed: `draft` (draft sampling), `sampler` (the rejection sampler), and the
+    position-keyed noise of position_noise.
 
     numpy's PCG64 on the host: the rejection sampler draws a whole vocabulary of noise per request and step, and
     PCG64's float64 uniforms cost about half of torch's CPU generator (mt19937) there."""
@@ -26,6 +28,26 @@ class RequestRandom:
         self.seed = int(seed)
         self.draft = np.random.Generator(np.random.PCG64(_stream_seed(self.seed, DRAFT_STREAM)))
         self.sampler = np.random.Generator(np.random.PCG64(_stream_seed(self.seed, SAMPLER_STREAM)))
+        self._position_noise: dict[int, torch.Tensor] = {}  # token position -> its Exp(1) noise [V]
+
+    def position_noise(self, start: int, count: int, vocab: int) -> torch.Tensor:
+        """Exp(1) noise [count, vocab] for the tokens at positions start .. start + count - 1 of token_ids.
+
+        Position n's noise comes from a generator keyed by (seed, n) alone, so the draft that guesses token n and
+        the target that samples it see the same noise whichever step, k or batch asks (the coupled path of
+        spec_decode/rejection_sampler.py). Each position's noise is drawn once and kept until a call starts
+        past it.
+        """
+        for n in [n for n in self._position_noise if n < start]:
+            del self._position_noise[n]
+        rows = []
+        for n in range(start, start + count):
+            row = self._position_noise.get(n)
+            if row is None or row.shape[0] != vocab:
+                gen = np.random.Generator(np.random.PCG64(_stream_seed(self.seed, POSITION_STREAM, n)))
+                row = self._position_noise[n] = exponentials([gen], vocab)[0]
+            rows.append(row)
+        return torch.stack(rows) if rows else torch.empty(0, vocab)
 
     def __repr__(self) -> str:
         return f"RequestRandom(seed={self.seed})"

@@ -44,14 +44,9 @@ workload where drafts are rarely accepted does not start out speculating. A requ
 for drafts and verified none (the proposer had nothing, as an n-gram lookup without a match) counts
 one failure.
 
-Seeded sampled requests (seeded_costs given, as LLM does): a request with a seed and a temperature chooses
-its own k from its own state alone, so that its k sequence, and with it its tokens, is the same run to run and whatever
-it is batched with: its acceptance estimate starts from prior_alpha (not the pooled prior), the costs
-are the fixed seeded_costs = (draft_cost, verify_costs) at batch size 1 (no measurement, no step
-overhead), and it keeps its own probe clock. A greedy request's tokens do not depend on k (they are the
-target's argmax whatever is drafted), so seeded or not it shares the batch's measured k. Unseeded requests
-share the batch's k as above; the step
-drafts the largest k of the batch and each request keeps its own k of those drafts.
+Every request shares the batch's k, seeded or not: a greedy request's tokens are the target's argmax and a seeded
+sampled one's the target's position-keyed draws (SamplingParams.coupled), whatever is drafted, so neither
+depends on the k chosen.
 """
 from __future__ import annotations
 
@@ -133,8 +128,6 @@ class _RequestState:
     asked: int = 0  # the k this policy gave it last time
     successes: float = 0.0
     trials: float = 0.0
-    steps_off: int = 0  # a seeded request's own probe clock (see AdaptiveK.steps_off / probe_gap)
-    probe_gap: int = 0
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -148,9 +141,8 @@ class AdaptiveK(KPolicy):
     k_max: the engine's num_speculative_tokens. draft_cost: c, draft cost per drafted token over a
     target decode step. verify_costs: v[0..k_max] (v[0] = 1), or None for free verification
     (v[k] = 1). cost_model: batch_size -> (draft_cost, verify_costs), used instead of the fixed pair when
-    given. overhead_decay: how fast the measured step overhead forgets old steps. seeded_costs: (draft_cost,
-    verify_costs) from which a seeded request chooses its own k, or None (seeded requests share the batch's
-    k). See the module docstring.
+    given. overhead_decay: how fast the measured step overhead forgets old steps. See the module
+    docstring.
     """
 
     observes_steps = True
@@ -168,7 +160,6 @@ class AdaptiveK(KPolicy):
         cost_model=None,
         overhead_decay: float = 0.9,
         pool_decay: float = 0.95,
-        seeded_costs: tuple[float, Sequence[float] | None] | None = None,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
@@ -181,7 +172,6 @@ class AdaptiveK(KPolicy):
         self.k_max = k_max
         self.cost_model = cost_model
         self.fixed_costs = self.step_costs(draft_cost, verify_costs)  # [k_max + 1] forward cost of k drafts
-        self.seeded_costs = None if seeded_costs is None else self.step_costs(*seeded_costs)  # [k_max + 1]
         self._costs_by_batch: dict[int, np.ndarray] = {}
         self.decay = decay
         self.prior_alpha = prior_alpha
@@ -258,20 +248,20 @@ class AdaptiveK(KPolicy):
         k = int(np.argmax(rate[1:])) + 1
         return k if rate[k] > self.margin * rate[0] else 0
 
-    def _probe(self, k: int, clock, forward_costs: np.ndarray) -> int:
-        """k, or 1 when speculation has been off for clock.probe_gap steps (a probe) and drafting can pay at all at
-        these forward costs [k_max + 1]; advances the clock."""
+    def _probe(self, k: int, forward_costs: np.ndarray) -> int:
+        """k, or 1 when speculation has been off for probe_gap steps (a probe) and drafting can pay at all at these
+        forward costs [k_max + 1]; advances the probe clock."""
         if k == 0:
             if not self.can_pay(forward_costs):
                 return 0
-            clock.steps_off += 1
-            if self.probe_every > 0 and clock.steps_off >= clock.probe_gap:
-                clock.steps_off = 0
-                clock.probe_gap = min(2 * clock.probe_gap, 8 * self.probe_every)
+            self.steps_off += 1
+            if self.probe_every > 0 and self.steps_off >= self.probe_gap:
+                self.steps_off = 0
+                self.probe_gap = min(2 * self.probe_gap, 8 * self.probe_every)
                 return 1
             return 0
-        clock.steps_off = 0
-        clock.probe_gap = self.probe_every
+        self.steps_off = 0
+        self.probe_gap = self.probe_every
         return k
 
     def prior(self) -> float:
@@ -298,9 +288,8 @@ class AdaptiveK(KPolicy):
         m = req.metrics
         s = self.states.get(req.req_id)
         if s is None or s.req is not req:
-            prior = self.prior_alpha if self._seeded(req) else self.prior()
-            s = self.states[req.req_id] = _RequestState(req, successes=prior * self.prior_weight,
-                                                         trials=self.prior_weight, probe_gap=self.probe_every)
+            s = self.states[req.req_id] = _RequestState(req, successes=self.prior() * self.prior_weight,
+                                                         trials=self.prior_weight)
         if m.num_spec_verifications > s.seen_verifications:  # the last step verified drafts of ours: one observation
             self.observe(req.req_id, m.num_draft_tokens - s.seen_draft_tokens, m.num_accepted_tokens - s.seen_accepted)
         elif s.asked:  # asked for drafts, got none (an n-gram miss): nothing to accept, a failed run
@@ -314,30 +303,17 @@ class AdaptiveK(KPolicy):
         if s is not None and s.req is req:
             del self.states[req.req_id]
 
-    def _seeded(self, req) -> bool:
-        """Whether the request chooses its own k (it samples with a seed, and seeded_costs were given)."""
-        return self.seeded_costs is not None and req.params.seed is not None and not req.params.greedy
-
     def __call__(self, reqs: Sequence) -> list[int]:
-        """Engine hook: the k of each request about to draft, after their counters were updated: one k for the
-        unseeded requests, and each seeded one's own (module docstring)."""
+        """Engine hook: the batch's k for every request about to draft, after their counters were updated."""
         for r in reqs:
             self._update(r)
-        shared = [r for r in reqs if not self._seeded(r)]
-        k = 0
-        if shared:
-            k = self._probe(self.choose([self.alpha(r.req_id) for r in shared]), self, self.forward_costs(len(shared)))
-        ks = []
+        if not reqs:
+            return []
+        k = self._probe(self.choose([self.alpha(r.req_id) for r in reqs]), self.forward_costs(len(reqs)))
         for r in reqs:
-            s = self.states[r.req_id]
-            if self._seeded(r):
-                alpha = s.successes / s.trials if s.trials > 0 else self.prior_alpha
-                s.asked = self._probe(self._best_k(np.array([alpha]), self.seeded_costs), s, self.seeded_costs)
-            else:
-                s.asked = k
-            self.counts[s.asked] += 1
-            ks.append(s.asked)
-        return ks
+            self.states[r.req_id].asked = k
+        self.counts[k] += len(reqs)
+        return [k] * len(reqs)
 
     def mean_k(self) -> float:
         """Mean chosen k over every request drafted so far (nan before the first)."""

@@ -29,7 +29,7 @@ from minispec.runner.model_runner import ModelRunner
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 from minispec.spec_decode.ngram import ngram_drafts
 from minispec.sample.sampler import BatchSampling, greedy_tokens
-from minispec.spec_decode.proposer import Drafting, draw_drafts, owned, proposal_uniforms
+from minispec.spec_decode.proposer import Drafting, coupled_noise, draw_drafts, owned, proposal_uniforms
 
 
 class HeadRunner:
@@ -199,6 +199,7 @@ class HeadProposer:
         mine = None if mine.all() else torch.from_numpy(mine).to(self.runner.device)  # None: every request is ours
         greedy = all(r.params.greedy for r in reqs)
         sampling = None if greedy else BatchSampling([r.params for r in reqs], self.runner.device)
+        coupled = [None] * num_steps if greedy else coupled_noise(reqs, num_steps, self.vocab_size)
         drafts = np.empty((len(reqs), num_steps), dtype=np.int64)  # [num_reqs, num_steps]
         slots = [r.slot for r in reqs]
         starts, tokens, feats = [], [], []
@@ -223,7 +224,7 @@ class HeadProposer:
             if greedy:  # the argmax over the draft vocabulary's rows: a sixth of the full row's work
                 tok = self.runner.draft_ids[greedy_tokens(logits)[0]]
             else:  # drawn from the full row, as the rejection sampler recomputes q from the cache
-                tok = draw_drafts(self.runner.full_vocab(logits, self.vocab_size), sampling, u[:, j])
+                tok = draw_drafts(self.runner.full_vocab(logits, self.vocab_size), sampling, u[:, j], coupled[j])
             drafts[:, j] = tok.cpu().numpy()
             starts = [s + len(t) for s, t in zip(starts, tokens)]
             tokens = [[int(t)] for t in drafts[:, j]]

@@ -9,7 +9,7 @@ import torch
 from minispec.distributed import get_tp_group, from_owners, to_owners
 from minispec.runner.model_runner import ModelRunner
 from minispec.sample.random import RequestRandom, uniforms
-from minispec.sample.sampler import BatchSampling, greedy_tokens, probs_from_logits, sample_inverse_cdf
+from minispec.sample.sampler import BatchSampling, greedy_tokens, probs_from_logits, sample, sample_inverse_cdf
 from minispec.sampling_params import SamplingParams
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 
@@ -69,6 +69,7 @@ class DraftModelProposer:
         sampling = BatchSampling([r.params for r in my_reqs], device)
         u_mine = proposal_uniforms(reqs, self.k)[torch.from_numpy(mine)].to(device)  # [num_mine, k]
         num_steps = self.k if num_steps is None else num_steps
+        coupled = coupled_noise(my_reqs, num_steps, vocab)  # the owner draws its coupled requests' drafts
         drafts = np.empty((len(reqs), num_steps), dtype=np.int64)  # [num_reqs, num_steps]
         # Step 0 catches the draft cache up on everything it has not seen (prompt, accepted tokens, bonus).
         if self.shares_target_kv:
@@ -80,7 +81,7 @@ class DraftModelProposer:
             logits = self.runner.forward([r.slot for r in reqs], starts, queries, [1] * len(reqs), gather=not sharded)
             logits = to_owners(tp, logits, owners)[:, :vocab] if sharded else logits  # [num_mine, V]
             cache.write(rows, j, logits)
-            tok = draw_drafts(logits, sampling, u_mine[:, j])
+            tok = draw_drafts(logits, sampling, u_mine[:, j], coupled[j])
             if sharded:
                 tok = from_owners(tp, tok, owners)
             drafts[:, j] = tok.cpu().numpy()
@@ -109,17 +110,35 @@ def owned(reqs: list[Drafting], cache: DraftLogitsCache) -> tuple[np.ndarray, np
 
 def proposal_uniforms(reqs: list[Drafting], k: int) -> torch.Tensor:
     """[num_reqs, k] host uniforms: k from each sampled request's draft stream per proposal, whatever the batch or the
-    k it drafts; zeros for greedy requests, which draw none."""
+    k it drafts; zeros for greedy and coupled requests, which draw none."""
     u = torch.zeros(len(reqs), k)
-    sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    sampled = [i for i, r in enumerate(reqs) if not (r.params.greedy or r.params.coupled)]
     if sampled:
         u[sampled] = uniforms([reqs[i].random.draft for i in sampled], k)
     return u
 
 
-def draw_drafts(logits: torch.Tensor, sampling: BatchSampling, u: torch.Tensor) -> torch.Tensor:
+def coupled_noise(reqs: list[Drafting], num_steps: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per draft step j: (indices [m] into reqs, Exp(1) noise [m, V]) of the coupled requests (SamplingParams.coupled),
+    the noise of the token draft j guesses, at position len(token_ids) + j; None at every step if none is coupled."""
+    idx = [i for i, r in enumerate(reqs) if r.params.coupled]
+    if not idx:
+        return [None] * num_steps
+    noise = torch.stack([reqs[i].random.position_noise(len(reqs[i].token_ids), num_steps, vocab) for i in idx])
+    return [(torch.tensor(idx), noise[:, j]) for j in range(num_steps)]
+
+
+def draw_drafts(logits: torch.Tensor, sampling: BatchSampling, u: torch.Tensor,
+                coupled: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """[n] draft tokens from pre-temperature logits [n, V]: the argmax (all greedy) or one exact draw from each
-    request's warped distribution with its uniform u [n], the q the rejection sampler recomputes from the cache."""
+    request's warped distribution q, the one the rejection sampler recomputes from the cache: by inverse CDF with
+    its uniform u [n], or for the coupled rows (indices [m], noise [m, V]) by exponential race with their noise."""
     if sampling.greedy:
         return greedy_tokens(logits)[0]
-    return sample_inverse_cdf(probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), u)
+    q = probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [n, V]
+    tokens = sample_inverse_cdf(q, u)
+    if coupled is not None:
+        rows, noise = coupled
+        rows = rows.to(q.device)
+        tokens[rows] = sample(q[rows], noise.to(q.device))
+    return tokens

@@ -7,6 +7,14 @@ u_i * q_i[d] < p_i[d], i.e. with probability min(1, p_i[d] / q_i[d]). The first 
 replaced by a draw from norm(max(0, p_i - q_i)), or from p_i when the draft was invalid or the
 residual has no mass; if every draft is accepted, a bonus token is drawn from the last position's p.
 Draws use the exponential race argmax(dist / noise), so the residual is never normalised.
+
+coupled_verify is the drafter-invariant alternative for seeded sampled requests (SamplingParams.coupled): the
+token at each position is the target's own race argmax(p / E) with that position's keyed noise E, the draft
+drew its token with the same E (argmax(q / E)), and a draft is accepted iff the two agree. Every token is then
+the one target-only decoding draws with the same noise, whatever k, draft or batch; the price is acceptance,
+sum_x p_x q_x / sum_y max(p_y q_x, q_y p_x) per draft instead of sum_x min(p_x, q_x), and at least
+(1 - TV) / (1 + TV) for total variation distance TV (Daliri et al., 2024, "Coupling without communication
+and drafter-invariant speculative decoding").
 """
 from __future__ import annotations
 
@@ -20,11 +28,15 @@ from minispec.utils import use_triton as _use_triton
 triton, tl = load_triton()
 
 
+def _per_position(cu_num_logits, num_logits: int, *settings):
+    """Each per-request settings tensor [num_reqs] repeated over its request's logits positions: [num_logits] each."""
+    num_pos = cu_num_logits[1:] - cu_num_logits[:-1]  # [num_reqs] logits positions per request
+    return (torch.repeat_interleave(x, num_pos, output_size=num_logits) for x in settings)
+
+
 def _probs(target_logits, draft_logits, cu_num_logits, temperature, top_k, top_p):
     """Target and draft probabilities [num_logits, V] at every logits position, under its request's settings."""
-    num_logits = target_logits.shape[0]
-    num_pos = cu_num_logits[1:] - cu_num_logits[:-1]  # [num_reqs] logits positions per request
-    t, k, p = (torch.repeat_interleave(x, num_pos, output_size=num_logits) for x in (temperature, top_k, top_p))
+    t, k, p = _per_position(cu_num_logits, target_logits.shape[0], temperature, top_k, top_p)
     return probs_from_logits(target_logits, t, k, p), probs_from_logits(draft_logits, t, k, p)
 
 
@@ -181,6 +193,21 @@ def greedy_verify(target_logits, draft_tokens, stale, cu_num_logits, max_drafts:
         drafts = np.where(stale.cpu().numpy().astype(bool), -1, drafts)
     tokens, num_sampled = greedy_accept(argmax, drafts, cu_num_logits.cpu().numpy(), max_drafts)
     return torch.from_numpy(tokens).to(device), torch.from_numpy(num_sampled).to(device), finite
+
+
+def coupled_verify(target_logits, draft_tokens, cu_num_logits, temperature, top_k, top_p, noise, max_drafts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify the drafts of coupled requests: tokens [num_reqs, K + 1] (-1 padded), num_sampled [num_reqs] (host).
+
+    target_logits [num_logits, V]; draft_tokens [num_logits] (-1 where a position verifies none: the bonus, a
+    placeholder, a stale draft); temperature, top_k, top_p [num_reqs]; noise [num_logits, V]: each position's
+    keyed Exp(1) noise (RequestRandom.position_noise). The target's draw at every position, then greedy_accept.
+    """
+    t, k, p = _per_position(cu_num_logits, target_logits.shape[0], temperature, top_k, top_p)
+    drawn = sample(probs_from_logits(target_logits, t, k, p), noise.to(target_logits.device).float())  # [num_logits]
+    tokens, num_sampled = greedy_accept(drawn.cpu().numpy(), draft_tokens.cpu().numpy().astype(np.int64, copy=False),
+                                        cu_num_logits.cpu().numpy(), max_drafts)
+    return torch.from_numpy(tokens), torch.from_numpy(num_sampled)
 
 
 def sample_without_drafts(target_logits, temperature, top_k, top_p, noise, max_drafts: int):

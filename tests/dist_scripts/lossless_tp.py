@@ -1,7 +1,7 @@
 """Seeded samples for test_lossless under tensor parallelism: rank 0 writes the generated tokens.
 
 Run: python -m torch.distributed.run --standalone --nproc-per-node TP tests/dist_scripts/lossless_tp.py CONFIG.json
-CONFIG: target, draft, k, prompt, n, seed0, settings (SamplingParams fields), max_tokens, llm (extra LLM
+CONFIG: target, draft, k, prompt, n, seed (the LLM's: the requests are unseeded), settings (SamplingParams fields), max_tokens, llm (extra LLM
 arguments), out. Every rank runs the same engine (batch-sharded verification); rank 0 writes
 {"tokens": [n, max_tokens], "metrics": [n metrics dicts]} to out.
 """
@@ -20,9 +20,8 @@ def main() -> None:
         cfg = json.load(f)
     tp = init_distributed()
     llm = LLM(target=cfg["target"], draft=cfg["draft"], num_speculative_tokens=cfg["k"],
-              tensor_parallel_size=tp.world_size, **cfg["llm"])
-    params = [SamplingParams(max_tokens=cfg["max_tokens"], ignore_eos=True, seed=cfg["seed0"] + i, **cfg["settings"])
-              for i in range(cfg["n"])]
+              tensor_parallel_size=tp.world_size, seed=cfg["seed"], **cfg["llm"])
+    params = [SamplingParams(max_tokens=cfg["max_tokens"], ignore_eos=True, **cfg["settings"]) for _ in range(cfg["n"])]
     outs = llm.generate([cfg["prompt"]] * cfg["n"], params)
     if tp.rank_in_group == 0:
         with open(cfg["out"], "w") as f:
