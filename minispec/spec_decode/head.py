@@ -145,7 +145,9 @@ class HeadProposer:
         self.k = k
         self.lookup = lookup
         self.vocab_size = runner.target.vocab_size
-        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (first position, states [n, C * H])
+        # slot -> (first position p0, buffer [capacity, C * H], n): the states of positions p0 .. p0 + n - 1 are
+        # buffer[:n]; the buffer doubles when full, so a head kept off by adaptive k costs O(1) a step, not O(n)
+        self.pending: dict[int, tuple[int, torch.Tensor, int]] = {}
         target_runner.model.capture_layers = runner.cfg.feature_layers
         target_runner.on_hidden = self.take_hidden
 
@@ -161,15 +163,21 @@ class HeadProposer:
             at += n
             old = self.pending.get(slot)
             if old is None:
-                self.pending[slot] = (s, rows.clone())
+                self.pending[slot] = (s, rows.clone(), n)
                 continue
-            p0, kept = old
+            p0, buf, kept = old
             if s < p0:
                 rows = rows[p0 - s :]
                 s = p0
-            if s > p0 + len(kept):
-                raise RuntimeError(f"slot {slot}: target states from position {s} leave a gap after {p0 + len(kept)}")
-            self.pending[slot] = (p0, torch.cat([kept[: s - p0], rows]))
+            if s > p0 + kept:
+                raise RuntimeError(f"slot {slot}: target states from position {s} leave a gap after {p0 + kept}")
+            end = s - p0 + len(rows)
+            if end > buf.shape[0]:
+                grown = buf.new_empty(max(end, 2 * buf.shape[0]), buf.shape[1])
+                grown[: s - p0] = buf[: s - p0]
+                buf = grown
+            buf[s - p0 : end] = rows
+            self.pending[slot] = (p0, buf, end)
 
     def propose(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
         """[num_reqs, num_steps] drafts (num_steps defaults to k): prompt lookup's where `lookup` is set and a match of
@@ -205,14 +213,14 @@ class HeadProposer:
         starts, tokens, feats = [], [], []
         for r in reqs:
             n = r.num_computed  # the target's states exist for positions < n; token n is the last sampled
-            p0, states = self.pending[r.slot]
+            p0, states, _ = self.pending[r.slot]
             start = r.num_draft_computed
             if start < p0:
                 raise RuntimeError(f"slot {r.slot}: the head needs states from position {start}, held from {p0}")
             starts.append(start)
             tokens.append(r.token_ids[start + 1 : n + 1])
             feats.append(states[start - p0 : n - p0])
-            self.pending[r.slot] = (n, states[n - p0 : n - p0])
+            self.pending[r.slot] = (n, states, 0)  # the buffer is reused: feats are read before the next forward
         fused = True
         for j in range(num_steps):
             logits, hidden = self.runner.forward(slots, starts, tokens, feats, fused)
