@@ -78,4 +78,4 @@ class SamplingParams:
     @property
     def coupled(self) -> bool:
         """Sampled with a seed: its tokens are the target's position-keyed draws whatever is drafted."""
-        return self.seed is not None and self.temperature != 0.0
+        return self.seed is not None and not self.greedy

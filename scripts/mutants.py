@@ -115,14 +115,13 @@ MUTANTS = [
             "tests/test_self_draft.py::test_self_draft_sampling_matches_target_law")),
     Mutant("seeded sampled requests verified by the rejection sampler (k changes their tokens)",
            "minispec/sampling_params.py",
-           "        return self.seed is not None and self.temperature != 0.0",
+           "        return self.seed is not None and not self.greedy",
            "        return False",
            ("tests/test_engine.py::test_coupled_tokens_are_target_only_tokens",)),
     Mutant("coupled drafts drawn with the noise of the position after the one they guess",
            "minispec/spec_decode/proposer.py",
-           "    noise = torch.stack([reqs[i].random.position_noise(len(reqs[i].token_ids), num_steps, vocab) for i in idx])",
-           "    noise = torch.stack([reqs[i].random.position_noise(len(reqs[i].token_ids) + 1, num_steps, vocab) "
-           "for i in idx])",
+           "    rows = [reqs[i].random.position_noise(len(reqs[i].token_ids), num_steps, vocab) for i in idx]",
+           "    rows = [reqs[i].random.position_noise(len(reqs[i].token_ids) + 1, num_steps, vocab) for i in idx]",
            ("tests/test_lossless.py::test_coupled_sampling_matches_target_law",)),
     # ---- the EAGLE head proposer
     Mutant("head: drafts drawn with mass outside the draft vocabulary, whose cached q is 0",

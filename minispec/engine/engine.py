@@ -187,8 +187,8 @@ class Verifier:
         if len(idx) < len(reqs):
             pos = torch.from_numpy(np.concatenate([np.arange(cu_np[i], cu_np[i + 1]) for i in idx])).to(self.device)
             logits, drafts = logits[pos], drafts[pos]
-        noise = torch.cat([reqs[i].random.position_noise(len(reqs[i].token_ids), int(m), self.vocab_size)
-                           for i, m in zip(idx, num_logits)])  # [num_coupled_logits, V]
+        noise = torch.stack([row for i, m in zip(idx, num_logits) for row in
+                             reqs[i].random.position_noise(len(reqs[i].token_ids), int(m), self.vocab_size)])  # [.., V]
         at = torch.from_numpy(idx).to(self.device)
         got, got_n = coupled_verify(logits, drafts, torch.from_numpy(logits_offsets(num_logits)).to(self.device),
                                     sampling.temperature[at], sampling.top_k[at], sampling.top_p[at], noise, self.k)

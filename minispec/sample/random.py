@@ -30,8 +30,9 @@ class RequestRandom:
         self.sampler = np.random.Generator(np.random.PCG64(_stream_seed(self.seed, SAMPLER_STREAM)))
         self._position_noise: dict[int, torch.Tensor] = {}  # token position -> its Exp(1) noise [V]
 
-    def position_noise(self, start: int, count: int, vocab: int) -> torch.Tensor:
-        """Exp(1) noise [count, vocab] for the tokens at positions start .. start + count - 1 of token_ids.
+    def position_noise(self, start: int, count: int, vocab: int) -> list[torch.Tensor]:
+        """Exp(1) noise rows [vocab] for the tokens at positions start .. start + count - 1 of token_ids (callers
+        stack the rows of a batch once).
 
         Position n's noise comes from a generator keyed by (seed, n) alone, so the draft that guesses token n and
         the target that samples it see the same noise whichever step, k or batch asks (the coupled path of
@@ -47,7 +48,7 @@ class RequestRandom:
                 gen = np.random.Generator(np.random.PCG64(_stream_seed(self.seed, POSITION_STREAM, n)))
                 row = self._position_noise[n] = exponentials([gen], vocab)[0]
             rows.append(row)
-        return torch.stack(rows) if rows else torch.empty(0, vocab)
+        return rows
 
     def __repr__(self) -> str:
         return f"RequestRandom(seed={self.seed})"

@@ -124,8 +124,8 @@ def coupled_noise(reqs: list[Drafting], num_steps: int, vocab: int) -> list[tupl
     idx = [i for i, r in enumerate(reqs) if r.params.coupled]
     if not idx:
         return [None] * num_steps
-    noise = torch.stack([reqs[i].random.position_noise(len(reqs[i].token_ids), num_steps, vocab) for i in idx])
-    return [(torch.tensor(idx), noise[:, j]) for j in range(num_steps)]
+    rows = [reqs[i].random.position_noise(len(reqs[i].token_ids), num_steps, vocab) for i in idx]  # [m][num_steps]
+    return [(torch.tensor(idx), torch.stack([r[j] for r in rows])) for j in range(num_steps)]
 
 
 def draw_drafts(logits: torch.Tensor, sampling: BatchSampling, u: torch.Tensor,
@@ -136,9 +136,15 @@ def draw_drafts(logits: torch.Tensor, sampling: BatchSampling, u: torch.Tensor,
     if sampling.greedy:
         return greedy_tokens(logits)[0]
     q = probs_from_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [n, V]
-    tokens = sample_inverse_cdf(q, u)
-    if coupled is not None:
-        rows, noise = coupled
-        rows = rows.to(q.device)
-        tokens[rows] = sample(q[rows], noise.to(q.device))
+    if coupled is None:
+        return sample_inverse_cdf(q, u)
+    rows, noise = coupled
+    tokens = torch.empty(q.shape[0], dtype=torch.int64, device=q.device)  # [n]
+    rest = torch.ones(q.shape[0], dtype=torch.bool)
+    rest[rows] = False
+    if bool(rest.any()):  # the inverse CDF's cumulative sum only over the rows that use it
+        rest = rest.to(q.device)
+        tokens[rest] = sample_inverse_cdf(q[rest], u[rest])
+    rows = rows.to(q.device)
+    tokens[rows] = sample(q[rows], noise.to(q.device))
     return tokens
