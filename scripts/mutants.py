@@ -126,9 +126,9 @@ MUTANTS = [
     # ---- the EAGLE head proposer
     Mutant("head: drafts drawn with mass outside the draft vocabulary, whose cached q is 0",
            "minispec/spec_decode/head.py",
-           "                tok = draw_drafts(self.runner.full_vocab(logits, self.vocab_size), sampling, u[:, j])",
+           "                tok = draw_drafts(self.runner.full_vocab(logits, self.vocab_size), sampling, u[:, j], coupled[j])",
            "                tok = draw_drafts(self.runner.full_vocab(logits, self.vocab_size).nan_to_num(neginf=0.0), "
-           "sampling, u[:, j])",
+           "sampling, u[:, j], coupled[j])",
            ("tests/test_lossless.py::test_head_sampling_matches_target_law",)),
     Mutant("head: each position read with the token at it instead of the one after", "minispec/spec_decode/head.py",
            "            tokens.append(r.token_ids[start + 1 : n + 1])", "            tokens.append(r.token_ids[start : n])",
