@@ -392,6 +392,11 @@ inline __m512 nibble(__m512i v) {
   return _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_castsi512_ps(e));
 }
 
+// Rows of x up to which split rows take rows_dot_split (one) and tile_dot_split (2 to this many), not the tiles.
+constexpr int64_t SPLIT_MAX_ROWS = 2;
+// Floats between consecutive rows of x in split_order: whole runs, so each row stays 64-byte aligned.
+inline int64_t split_stride(int64_t G) { return G / 4 * 128; }
+
 // x in the order rows_dot_split reads codes: for each run c of 4 blocks (128 values), xp[128 c + 16 p + l] is
 // the value whose code is nibble p of 32-bit lane l of the run's 64 code bytes: code 4 (l % 4) + p / 2 +
 // 16 (p % 2) of block l / 4 (nibbles 5-7 are read as nibbles 2-4 of the lanes shifted by 12 bits).
@@ -450,6 +455,80 @@ inline void rows_dot_split(const uint8_t* rows, int64_t wstride, int64_t G, cons
     }
     out[j] = _mm512_reduce_add_ps(FT<QT> == Q4_0 ? _mm512_fmadd_ps(macc, _mm512_set1_ps(-8.0f), acc[j])
                                                  : _mm512_add_ps(acc[j], macc));
+  }
+}
+
+// RT activation rows (2-3; each in split_order, xp + r * ldxp; x and sx of stride ldx and G) against NT split
+// rows: out[r * ldo + j], as rows_dot_split computes each. A run's 8 nibble floats and 4 scales are made once
+// for the RT rows, and each 16-float vector of xp is loaded once for the NT weight rows.
+template <int64_t QT, int NT, int RT>
+inline void tile_dot_split(const uint8_t* rows, int64_t wstride, int64_t G, const float* xp, int64_t ldxp,
+                           const float* x, int64_t ldx, const float* sx, float* out, int64_t ldo) {
+  const int64_t runs = G / 4;
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // lane -> its block
+  __m512 acc[RT][NT];
+  for (int r = 0; r < RT; r++)
+    for (int j = 0; j < NT; j++) acc[r][j] = _mm512_setzero_ps();
+  const Prefetch ahead(rows + 2 * NT * wstride, NT * wstride, std::max<int64_t>(runs, 1));  // the tile after next
+  for (int64_t c = 0; c < runs; c++) {
+    ahead.part(c);
+    __m512i v[NT], w[NT];
+    __m512 pa[RT][NT], pb[RT][NT];
+    for (int j = 0; j < NT; j++) {
+      v[j] = _mm512_loadu_si512(rows + j * wstride + 64 * c);
+      w[j] = _mm512_srli_epi32(v[j], 12);
+    }
+    auto step = [&](auto pc, const __m512i* src, auto first) {
+      constexpr int P = decltype(pc)::value;  // xp's vector: nibble P % 5 (P < 5) of v, else nibble P - 3 of w
+      __m512 nib[NT];
+      for (int j = 0; j < NT; j++) nib[j] = nibble<(P < 5 ? P : P - 3)>(src[j]);
+      for (int r = 0; r < RT; r++) {
+        const __m512 xv = _mm512_load_ps(xp + r * ldxp + 128 * c + 16 * P);
+        for (int j = 0; j < NT; j++) {
+          __m512& a = P % 2 ? pb[r][j] : pa[r][j];
+          if constexpr (decltype(first)::value) a = _mm512_mul_ps(nib[j], xv);
+          else a = _mm512_fmadd_ps(nib[j], xv, a);
+        }
+      }
+    };
+    using T = std::true_type;
+    using F = std::false_type;
+    step(std::integral_constant<int, 0>{}, v, T{});
+    step(std::integral_constant<int, 1>{}, v, T{});
+    step(std::integral_constant<int, 2>{}, v, F{});
+    step(std::integral_constant<int, 3>{}, v, F{});
+    step(std::integral_constant<int, 4>{}, v, F{});
+    step(std::integral_constant<int, 5>{}, w, F{});
+    step(std::integral_constant<int, 6>{}, w, F{});
+    step(std::integral_constant<int, 7>{}, w, F{});
+    for (int j = 0; j < NT; j++) {
+      const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + j * wstride + 16 * G + 8 * c)));
+      const __m512 d = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(d4));
+      for (int r = 0; r < RT; r++) acc[r][j] = _mm512_fmadd_ps(d, _mm512_add_ps(pa[r][j], pb[r][j]), acc[r][j]);
+    }
+  }
+  for (int j = 0; j < NT; j++) {
+    const Blocks<QT> b{rows + j * wstride, G};
+    for (int64_t g = 4 * runs; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.codes(g))));
+      const __m512 lo = nibble<0>(q), hi = nibble<1>(q), d = _mm512_set1_ps(half_to_float(b.scale(g)));
+      for (int r = 0; r < RT; r++) {
+        const float* xg = x + r * ldx + g * GROUP;
+        acc[r][j] = _mm512_fmadd_ps(d, _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xg))),
+                                    acc[r][j]);
+      }
+    }
+    const uint8_t* mins = FT<QT> == Q4_1 ? b.minimum(0) : b.scale(0);
+    __m512 macc[RT];
+    for (int r = 0; r < RT; r++) macc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) {
+      const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+      const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + 2 * g));
+      for (int r = 0; r < RT; r++) macc[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(k, sx + r * G + g), macc[r]);
+    }
+    for (int r = 0; r < RT; r++)
+      out[r * ldo + j] = _mm512_reduce_add_ps(FT<QT> == Q4_0 ? _mm512_fmadd_ps(macc[r], _mm512_set1_ps(-8.0f), acc[r][j])
+                                                             : _mm512_add_ps(acc[r][j], macc[r]));
   }
 }
 
@@ -535,6 +614,11 @@ void block_rows_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t e
       for (; n + 4 <= end; n += 4) rows_dot_512<QT, 4>(wd + n * wstride, wstride, G, x, sx, out + n);
       for (; n < end; n++) rows_dot_512<QT, 1>(wd + n * wstride, wstride, G, x, sx, out + n);
     }
+  } else if (Blocks<QT>::SPLIT && M <= SPLIT_MAX_ROWS) {
+    const int64_t K = G * GROUP, ldxp = split_stride(G);
+    int64_t n = begin;  // tiles of 2 weight rows (4 spill registers and measured slower), then one
+    for (; n + 2 <= end; n += 2) tile_dot_split<QT, 2, 2>(wd + n * wstride, wstride, G, xp, ldxp, x, K, sx, out + n, N);
+    for (; n < end; n++) tile_dot_split<QT, 1, 2>(wd + n * wstride, wstride, G, xp, ldxp, x, K, sx, out + n, N);
   } else if (M < 6) {
     tiles_512<QT, 4>(wd, wstride, begin, end, G, x, M, out, N);
   } else {
@@ -628,8 +712,15 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
   auto xpad = K == Kp ? x.contiguous() : torch::zeros({M, Kp}, x.options());
   if (K != Kp) xpad.narrow(1, 0, K).copy_(x);
   const float* xd = xpad.data_ptr<float>();
-  // One row of x against split rows: rows_dot_split, which also takes Q4_0's -8 d through sx.
-  const bool split_row = PACKED_SPLIT && M == 1 && file_type(qtype) != qtype;
+  // Up to SPLIT_MAX_ROWS rows of x against split rows: rows_dot_split / tile_dot_split, which also take Q4_0's
+  // -8 d through sx.
+#if defined(MS_AVX512)
+  const bool split_row = file_type(qtype) != qtype && M <= SPLIT_MAX_ROWS;
+  const int64_t ldxp = split_stride(G);
+#else
+  const bool split_row = false;
+  const int64_t ldxp = 0;
+#endif
   std::vector<float> sx(has_min || split_row ? M * G : 0);  // [M, G]
   for (int64_t i = 0; i < (int64_t)sx.size(); i++) {
     float s = 0.0f;
@@ -638,10 +729,11 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
   }
   const float* sxd = sx.data();
   // that row in split_order, 64-byte aligned (its 512-bit loads then never cross a cache line)
-  std::vector<float> xs_buf(split_row ? G / 4 * 128 + 16 : 0);
+  std::vector<float> xs_buf(split_row ? M * ldxp + 16 : 0);
   float* xs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xs_buf.data()) + 63) & ~uintptr_t(63));
 #if defined(MS_AVX512)
-  if (split_row) split_order(xd, G, xs);
+  if (split_row)
+    for (int64_t r = 0; r < M; r++) split_order(xd + r * Kp, G, xs + r * ldxp);
 #endif
   auto out = torch::empty({M, N}, x.options());
   const uint8_t* wd = w.data_ptr<uint8_t>();
