@@ -17,7 +17,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model (same forms as --target), an EAGLE-1 / EAGLE-3 head "
                    "directory (HEAD+ngram: prompt lookup first), 'ngram' for prompt lookup, a self-draft (self-int8, "
                    "self-int4, self-int4:N, self:N: the target's own quantised and / or N-layer copy), or 'none' for "
-                   "target-only (default: the proposer llm.py's DRAFT_FOR_TARGET names for the target, if any)")
+                   "target-only (default 'auto': the head llm.py's DRAFT_FOR_TARGET names for the target, where it is "
+                   "predicted to pay on this machine, measured at start)")
     p.add_argument("--quantization", default=None,
                    help="weight-only quantisation of a float target at load: int8 (Q8_0) or int4 (Q4_1; embedding "
                         "Q8_0); another model than the float one (a GGUF is already packed: an error)")
@@ -195,6 +196,8 @@ def run(args, parser, prompts: list[str]) -> int:
                 if llm.num_speculative_tokens else "; target only")
         print(f"[minispec] {len(outputs)} prompt(s), {ntok} tokens in {elapsed:.2f} s "
               f"({ntok / elapsed:.1f} tok/s){spec}")
+        if llm.auto_draft:
+            print(f"[minispec] draft auto: {llm.auto_draft}")
         cache = llm.engine.draft_logits
         if cache is not None:
             tp = get_tp_group().world_size

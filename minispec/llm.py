@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from minispec.distributed import TPGroup, init_distributed, job_world_size
+from minispec.distributed import TPGroup, get_tp_group, init_distributed, job_world_size
 from minispec.engine.engine import Engine, EngineConfig
 from minispec.kernels import cpu
 from minispec.engine.observer import Observer
@@ -21,27 +21,28 @@ from minispec.models.quantize import check_quantization, has_packed, is_self_dra
     shallow_copy
 from minispec.runner.model_runner import ModelRunner
 from minispec.sampling_params import SamplingParams
-from minispec.spec_decode.adaptive import AdaptiveK
-from minispec.spec_decode.costs import MeasuredCosts
+from minispec.spec_decode.adaptive import AdaptiveK, predicted_speedup
+from minispec.spec_decode.costs import MeasuredCosts, measure_costs
 from minispec.spec_decode.head import HeadProposer, HeadRunner
 from minispec.spec_decode.ngram import NgramProposer
 from minispec.spec_decode.proposer import DraftModelProposer
 from minispec.utils import parse_dtype
 
-# The defaults: LLM(), the CLI, serve and `make demo` run DEFAULT_TARGET (packed, exact) with the proposer
-# DRAFT_FOR_TARGET names for it, under adaptive k; (None, None): target-only. Chosen by measurement
-# (docs/experiments.md, "An EAGLE-3 head for SmolLM2"): on the 2-core Zen 4 the shipped EAGLE-3 head (engine
-# acceptance 0.59-0.61 at position 1; int8 or int4) ran 0.67-1.06x target-only at k = 1 and 0.92-1.08x with
-# adaptive k <= 1 across batch 1 / 4 / 16 and T = 0 / 0.8, in two sessions (a 2-token packed verification costs
-# 1.33-1.51 one-token forwards there, 2.2-2.4 at batch 16), and on a Zen 5 1.00-1.04x at k = 1 and 0.88-1.00x
-# with adaptive k at batch 1 (its 2-token verification 1.33-1.42), so it does not clearly win; a named option.
+# The defaults: LLM(), the CLI, serve and `make demo` run DEFAULT_TARGET (packed, exact) with draft="auto": the
+# proposer DRAFT_FOR_TARGET names for it, with adaptive k, where it is predicted to pay on this machine, else the
+# target alone. The prediction (LLM._auto_pays) times a 1-token and a 2-token target forward and one head step at
+# batch 1 at init and takes the head when (1 + its recorded acceptance) / (2-token ratio + c) reaches
+# AUTO_MIN_SPEEDUP. Measured (docs/experiments.md, "An EAGLE-3 head for SmolLM2"): on the 2-core Zen 4 and Zen 5
+# kinds a 2-token verification costs 1.25-1.5 one-token forwards, and the shipped head (acceptance 0.59) ran
+# 0.96-1.07x target-only with adaptive k; on the Intel AMX kind (1.02) the same figures predict about 1.4x.
 DEFAULT_TARGET = "smollm2-135m-instruct"
-DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target, else none
+DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target where it is predicted to pay, else none
+AUTO_MIN_SPEEDUP = 1.15  # the predicted batch-1 speedup at k = 1 above which "auto" speculates (the bench's
+# prediction ran up to 1.2x above what it measured on the Zen 4, docs/experiments.md)
 HEAD_WITH_LOOKUP = "+ngram"  # draft="HEAD+ngram": prompt lookup (matches of 2+ tokens) where it finds one, else the head
-# target alias -> (draft: a model spec, "ngram", a self-draft or None; the draft's quantisation or None)
-DRAFT_FOR_TARGET: dict[str, tuple[str | None, str | None]] = {
-    # what ships for it: ("smollm2-135m-instruct-eagle3+ngram", "int8"), ("smollm2-135m-instruct-draft", "int8")
-    "smollm2-135m-instruct": (None, None),
+# target alias -> (an EAGLE head that ships for it, its quantisation): what "auto" measures
+DRAFT_FOR_TARGET: dict[str, tuple[str, str | None]] = {
+    "smollm2-135m-instruct": ("smollm2-135m-instruct-eagle3", "int8"),
 }
 
 
@@ -118,9 +119,10 @@ class LLM:
     target: a model spec (alias, HF directory, .gguf file, hub id) or an already-loaded model
     (models.loader.load_model's LoadedModel, on this LLM's device and in its dtype: tools that build many
     engines over the same weights load them once).
-    draft: "auto" (default: the proposer DRAFT_FOR_TARGET names for this target, else none: today none for the
-    default target, where no proposer pays), None (target only), "ngram" (prompt lookup with n-gram sizes ngram_n = (min_n, max_n)), or a
-    draft model (spec or LoadedModel, in draft_dtype) sharing the target's vocabulary.
+    draft: "auto" (default: the head DRAFT_FOR_TARGET names for this target where it is predicted to pay on this
+    machine, measured at init; auto_draft says what was measured and chosen), None (target only), "ngram" (prompt
+    lookup with n-gram sizes ngram_n = (min_n, max_n)), a head checkpoint, or a draft model (spec or LoadedModel,
+    in draft_dtype) sharing the target's vocabulary.
     draft_dtype: the draft model's dtype (default: dtype); e.g. "bfloat16" for a float32 target.
     adaptive_k: each step chooses one speculation length for the batch from its requests' running acceptance and
     turns speculation off when it does not pay (spec_decode/adaptive.py); seeded requests stay reproducible
@@ -136,7 +138,7 @@ class LLM:
     quantization: "int8" (Q8_0) or "int4" (Q4_1 layers, Q8_0 embedding): weight-only quantisation of a float
     target at load (models/quantize.py), run by the exact packed kernels; another model than the float one. A
     GGUF loaded packed is already quantised: ValueError (load it with packed=False to re-quantise).
-    draft_quantization: the same for a draft model ("auto" picks the shipped draft's; see DRAFT_FOR_TARGET).
+    draft_quantization: the same for a draft model or head ("auto" picks the shipped head's; see DRAFT_FOR_TARGET).
     Self-drafts: draft="self-int8" | "self-int4" | "self-int4:N" | "self:N" is the target's own copy with its
     dense weights quantised and / or only N layers, derived from the loaded target (no second load, the same
     tokenizer); lossless like any draft.
@@ -164,6 +166,7 @@ class LLM:
         k_policy=None,
         observer: Observer | None = None,
     ):
+        auto = isinstance(draft, str) and draft == "auto"
         draft, draft_quantization, adaptive_k = resolve_draft(target, draft, draft_quantization, adaptive_k, k_policy)
         check_options(draft, num_speculative_tokens, max_num_seqs, draft_dtype, quantization, draft_quantization)
         tp = start_tp(tensor_parallel_size)
@@ -185,8 +188,9 @@ class LLM:
                               max_model_len=max_len, shard_draft_logits=shard_draft_logits)
         kv_len = max_len + k + 1  # room for k drafts (and the draft's k - 1 fed drafts) past the last real position
         target_runner = ModelRunner(self.target.model, max_num_seqs, kv_len, dtype=torch_dtype, device=self.device)
-        proposer = self._proposer(draft, lookup, target_runner, k, max_num_seqs, kv_len, ngram_n, draft_torch_dtype,
-                                  draft_quantization)
+        self.auto_draft: str | None = None  # with draft="auto": what it measured and chose (_auto_pays)
+        proposer = self._proposer(draft, lookup, auto, target_runner, k, max_num_seqs, kv_len, ngram_n, torch_dtype,
+                                  draft_torch_dtype, draft_quantization)
         if adaptive_k and proposer is not None:
             k_policy = self._adaptive_k(proposer, max_num_seqs, torch_dtype)
         self.engine = Engine(target_runner, proposer, config, self.target.eos_token_ids, self.target.vocab_size,
@@ -218,11 +222,16 @@ class LLM:
             )
         return None, loaded
 
-    def _proposer(self, draft, lookup: bool, target_runner: ModelRunner, k: int, num_slots: int, kv_len: int,
-                  ngram_n, draft_torch_dtype, draft_quantization):
-        """The proposer over the loaded head or draft model, prompt lookup, or None (target only)."""
+    def _proposer(self, draft, lookup: bool, auto: bool, target_runner: ModelRunner, k: int, num_slots: int,
+                  kv_len: int, ngram_n, torch_dtype, draft_torch_dtype, draft_quantization):
+        """The proposer over the loaded head or draft model, prompt lookup, or None (target only; also "auto"'s head
+        where it is not predicted to pay here)."""
         if self.head is not None:
             runner = HeadRunner(self.head, self.target.model, num_slots, kv_len, self.device, draft_quantization)
+            if auto and not self._auto_pays(runner, torch_dtype, f"{draft}@{draft_quantization}" if draft_quantization
+                                                                   else draft):
+                self.head = None
+                return None
             return HeadProposer(runner, target_runner, k,
                                 lookup=(max(2, ngram_n[0]), max(2, ngram_n[1])) if lookup else None)
         if draft == "ngram":
@@ -234,6 +243,25 @@ class LLM:
         runner = ModelRunner(self.draft.model, num_slots, kv_len, dtype=draft_torch_dtype, device=self.device,
                              kv=target_runner.kv if shared else None)
         return DraftModelProposer(runner, k, shares_target_kv=shared)
+
+    def _auto_pays(self, runner: HeadRunner, torch_dtype, name: str) -> bool:
+        """Whether "auto"'s head is predicted to reach AUTO_MIN_SPEEDUP at batch 1 and k = 1 here: its recorded
+        acceptance against a 2-token target forward and one head step, both timed now over one 1-token forward
+        (rank 0's figures under TP). Sets auto_draft to what it measured and chose."""
+        costs = measure_costs(self.target.model, {"head": runner}, k_max=1, batch_size=1, context=128, repeats=2,
+                              vocab_size=self.target.vocab_size, dtype=torch_dtype, device=self.device)
+        alpha = self.head.acceptance or 0.0  # a head without a recorded acceptance is not predicted to pay
+        figures = torch.tensor([costs["verify_ratio"][1], costs["c"]["head"]], dtype=torch.float64)
+        tp = get_tp_group()
+        if tp.world_size > 1:  # every rank must choose alike
+            figures = tp.broadcast(figures.to(tp.device)).cpu()
+        verify, c = figures.tolist()
+        pred = predicted_speedup(alpha, 1, c, verify)
+        pays = pred >= AUTO_MIN_SPEEDUP
+        self.auto_draft = (f"{name}: predicted {pred:.2f}x at batch 1 (acceptance {alpha:.2f}, 2-token "
+                           f"verification {verify:.2f}, c {c:.3f}; needs {AUTO_MIN_SPEEDUP:.2f}x): "
+                           + ("speculating with adaptive k" if pays else "the target runs alone"))
+        return pays
 
     def _adaptive_k(self, proposer, max_num_seqs: int, torch_dtype) -> AdaptiveK:
         """AdaptiveK over draft and verify costs measured on these models at each batch-size bucket, now (before
@@ -361,8 +389,9 @@ class LLM:
 
 def resolve_draft(target, draft, draft_quantization: str | None, adaptive_k: bool | None, k_policy
                   ) -> tuple[object, str | None, bool]:
-    """(draft, draft_quantization, adaptive_k) with draft="auto" replaced by what DRAFT_FOR_TARGET names for the
-    target (None where it names nothing), and adaptive_k's None by its default: on for "auto", else off."""
+    """(draft, draft_quantization, adaptive_k) with draft="auto" replaced by the head DRAFT_FOR_TARGET names for the
+    target (None where it names nothing; LLM then measures whether it pays), and adaptive_k's None by its default:
+    on for "auto", else off."""
     if k_policy is not None and adaptive_k:
         raise ValueError("give adaptive_k=True or a k_policy, not both")
     if draft != "auto":

@@ -252,3 +252,29 @@ def test_head_with_prompt_lookup_drafts_matches_by_lookup_and_stays_lossless(tar
     assert looked  # some proposals came from the lookup (ngram_drafts has its own tests)
     with pytest.raises(ValueError, match="is not one"):
         LLM(target, draft="ngram+ngram")
+
+
+@pytest.mark.parametrize("verify,c,acceptance,pays", [(1.1, 0.05, 0.6, True), (1.4, 0.15, 0.6, False),
+                                                       (1.1, 0.05, None, False)])
+def test_auto_takes_the_head_where_it_is_predicted_to_pay(tmp_path, monkeypatch, verify, c, acceptance, pays):
+    """draft="auto" takes DRAFT_FOR_TARGET's head, with adaptive k, where (1 + its recorded acceptance) / (2-token
+    verification + c) at the costs measured at init reaches AUTO_MIN_SPEEDUP (1.45x, 1.03x, a head without a
+    recorded acceptance); else the target runs alone. Greedy output is the target's either way."""
+    import minispec.llm as llm_mod
+    from minispec.spec_decode.adaptive import AdaptiveK
+
+    d = make_tiny_model_dir(str(tmp_path / "target"), seed=0, num_hidden_layers=4)
+    target = load_model(d, dtype=torch.float32, device=CPU)
+    save_head(make_tiny_head(target.config, version=3, draft_vocab_size=128, seed=3), tmp_path / "head",
+              extra={"minispec": {"eval": {"acc_1": acceptance}}} if acceptance else None)
+    monkeypatch.setitem(llm_mod.DRAFT_FOR_TARGET, d.lower(), (str(tmp_path / "head"), None))
+    monkeypatch.setattr(llm_mod, "measure_costs", lambda *a, **kw: {"verify_ratio": {1: verify}, "c": {"head": c}})
+    llm = LLM(d, max_num_seqs=2)
+    assert isinstance(llm.engine.proposer, HeadProposer) == pays
+    assert isinstance(llm.engine.k_policy, AdaptiveK) == pays
+    assert ("speculating" if pays else "the target runs alone") in llm.auto_draft
+    prompts = [[5, 6, 7], list(range(30, 50))]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = LLM(target, draft=None).generate(prompts, sp)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in ref]
+    assert LLM(d, draft=None).auto_draft is None  # nothing measured where "auto" was not asked

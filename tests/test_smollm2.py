@@ -115,9 +115,10 @@ def test_target_as_own_draft_greedy_equals_transformers(hf_outputs):
 
 
 def test_default_is_target_only_and_shipped_draft_greedy_equals_transformers(hf_outputs):
-    """LLM() with no draft named runs the packed target alone (DRAFT_FOR_TARGET: no proposer pays on it). The
-    draft shipped in minispec/drafts/, at int8 with adaptive k, still gives the target's greedy tokens, and it
-    agrees with the target often (a guard on its weights)."""
+    """LLM() with no draft named measures whether the shipped head pays here (DRAFT_FOR_TARGET) and runs it or the
+    packed target alone, as auto_draft says; its greedy tokens are transformers' either way. The draft shipped in
+    minispec/drafts/, at int8 with adaptive k, still gives the target's greedy tokens, and it agrees with the
+    target often (a guard on its weights)."""
     from safetensors import safe_open
 
     from minispec.models.loader import SHIPPED_DRAFTS
@@ -128,8 +129,10 @@ def test_default_is_target_only_and_shipped_draft_greedy_equals_transformers(hf_
     with safe_open(str(path), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     default = LLM(max_num_seqs=4)
-    assert default.draft is None and default.engine.proposer is None
-    check_equal(default.generate(PROMPTS, GREEDY, use_chat_template=True), hf_outputs, "default (target only)")
+    alone = default.auto_draft.endswith("the target runs alone")
+    assert default.auto_draft.startswith("smollm2-135m-instruct-eagle3@int8: predicted")
+    assert default.draft is None and (default.engine.proposer is None) == alone
+    check_equal(default.generate(PROMPTS, GREEDY, use_chat_template=True), hf_outputs, f"default ({default.auto_draft})")
     llm = LLM(draft="smollm2-135m-instruct-draft", draft_quantization="int8", adaptive_k=True, max_num_seqs=4)
     assert llm.draft.name == "smollm2-135m-instruct-draft" and isinstance(llm.engine.k_policy, AdaptiveK)
     assert llm.draft.model.layers[0].down_proj.weight.qtype == 8  # quantised to Q8_0 at load

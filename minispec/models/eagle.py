@@ -123,6 +123,7 @@ class EagleHead(nn.Module):
         else:
             self.lm_head = None  # the target's
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # [draft_vocab]
+        self.acceptance: float | None = None  # first-position greedy acceptance on held-out answers, if recorded
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -401,6 +402,7 @@ def load_head(path: str | Path, target_config) -> EagleHead:
                                      f"{int(ids_t[bad])}, outside the vocabulary [0, {cfg.vocab_size})")
             if len(set(ids_t.tolist())) != cfg.draft_vocab_size:
                 raise ModelLoadError(f"head checkpoint {path}: d2t maps two draft ids to one target id")
+    head.acceptance = ((raw.get("minispec") or {}).get("eval") or {}).get("acc_1")  # what our training recorded
     return head.eval()
 
 

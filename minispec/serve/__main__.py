@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[minispec] serving {model_name} at http://{url_host}:{port}/v1 (k={llm.num_speculative_tokens}, "
               f"tp={args.tp}, {args.max_num_seqs} slots, queue {args.max_queue}"
               f"{', API key required' if args.api_key else ''})", flush=True)
+        if llm.auto_draft:
+            print(f"[minispec] draft auto: {llm.auto_draft}", flush=True)
         for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn stops gracefully on these, then re-raises them here
             signal.signal(sig, lambda *_: None)
         server.run(sock)
