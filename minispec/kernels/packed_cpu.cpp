@@ -392,7 +392,8 @@ inline __m512 nibble(__m512i v) {
   return _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_castsi512_ps(e));
 }
 
-// Rows of x up to which split rows take rows_dot_split (one) and tile_dot_split (2 to this many), not the tiles.
+// Rows of x up to which split rows take rows_dot_split (one) and tile_dot_split (two), not the tiles: a 3-row
+// tile_dot_split measured no faster than the tiles in a 3-token forward (docs/experiments.md).
 constexpr int64_t SPLIT_MAX_ROWS = 2;
 // Floats between consecutive rows of x in split_order: whole runs, so each row stays 64-byte aligned.
 inline int64_t split_stride(int64_t G) { return G / 4 * 128; }
@@ -458,7 +459,7 @@ inline void rows_dot_split(const uint8_t* rows, int64_t wstride, int64_t G, cons
   }
 }
 
-// RT activation rows (2-3; each in split_order, xp + r * ldxp; x and sx of stride ldx and G) against NT split
+// RT activation rows (2 in use; each in split_order, xp + r * ldxp; x and sx of stride ldx and G) against NT split
 // rows: out[r * ldo + j], as rows_dot_split computes each. A run's 8 nibble floats and 4 scales are made once
 // for the RT rows, and each 16-float vector of xp is loaded once for the NT weight rows.
 template <int64_t QT, int NT, int RT>
@@ -600,8 +601,9 @@ void tiles_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, i
 // Rows of x per chunk: 64 rows of up to 1536 floats (384 KB) stay in L2 while a thread's weight rows pass them.
 constexpr int64_t X_CHUNK_ROWS = 64;
 
-// Rows [begin, end) of out [M, N]: one row of x as rows_dot_512 (rows_dot_split for split rows, xp: x in
-// split_order), 2-5 rows in tiles of 4 weight rows, more in tiles of 2 over 64-row chunks of x.
+// Rows [begin, end) of out [M, N]: one row of x as rows_dot_512 (rows_dot_split for split rows, xp: each row of x
+// in split_order, split_stride apart), two against split rows as tile_dot_split, 2-5 rows in tiles of 4 weight
+// rows, more in tiles of 2 over 64-row chunks of x.
 template <int64_t QT>
 void block_rows_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, const float* x,
                     int64_t M, const float* sx, const float* xp, float* out, int64_t N) {
