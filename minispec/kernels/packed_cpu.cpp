@@ -352,7 +352,7 @@ inline void load_block16(Blocks<QT> b, int64_t g, __m512& lo, __m512& hi) {
 // block for the NT rows.
 template <int64_t QT, int NT>
 inline void rows_dot_512(const uint8_t* rows, int64_t wstride, int64_t G, const float* x, const float* sx, float* out) {
-  static_assert(!Blocks<QT>::SPLIT, "split rows take rows_dot_split");
+  static_assert(!Blocks<QT>::SPLIT, "split rows take tile_dot_split");
   __m512 acc[NT];
   float macc[NT];
   for (int j = 0; j < NT; j++) { acc[j] = _mm512_setzero_ps(); macc[j] = 0.0f; }
@@ -392,13 +392,13 @@ inline __m512 nibble(__m512i v) {
   return _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_castsi512_ps(e));
 }
 
-// Rows of x up to which split rows take rows_dot_split (one) and tile_dot_split (two), not the tiles: a 3-row
-// tile_dot_split measured no faster than the tiles in a 3-token forward (docs/experiments.md).
+// Rows of x up to which split rows take tile_dot_split, not the tiles: with 3 rows it measured no faster than
+// the tiles in a 3-token forward (docs/experiments.md).
 constexpr int64_t SPLIT_MAX_ROWS = 2;
 // Floats between consecutive rows of x in split_order: whole runs, so each row stays 64-byte aligned.
 inline int64_t split_stride(int64_t G) { return G / 4 * 128; }
 
-// x in the order rows_dot_split reads codes: for each run c of 4 blocks (128 values), xp[128 c + 16 p + l] is
+// x in the order tile_dot_split reads codes: for each run c of 4 blocks (128 values), xp[128 c + 16 p + l] is
 // the value whose code is nibble p of 32-bit lane l of the run's 64 code bytes: code 4 (l % 4) + p / 2 +
 // 16 (p % 2) of block l / 4 (nibbles 5-7 are read as nibbles 2-4 of the lanes shifted by 12 bits).
 void split_order(const float* x, int64_t G, float* xp) {
@@ -407,61 +407,12 @@ void split_order(const float* x, int64_t G, float* xp) {
       for (int l = 0; l < 16; l++) xp[128 * c + 16 * p + l] = x[128 * c + 32 * (l / 4) + 4 * (l % 4) + p / 2 + 16 * (p % 2)];
 }
 
-// One activation row against NT split rows (Q4_0_SPLIT, Q4_1_SPLIT): out[j] = x . row j, as
-// sum_g d_g (q_g . x_g) + sum_g m_g sx_g (Q4_0: m_g = -8 d_g). A run of 4 blocks is one 64-byte load of codes,
-// 8 nibble extractions and 8 FMAs against xp (split_order), and one FMA with the 4 scales, each over its
-// block's 4 lanes; the G % 4 blocks past the last run go one at a time against x; the minima's term is 16
-// blocks per FMA.
-template <int64_t QT, int NT>
-inline void rows_dot_split(const uint8_t* rows, int64_t wstride, int64_t G, const float* xp, const float* x,
-                           const float* sx, float* out) {
-  static_assert(Blocks<QT>::SPLIT, "file layouts take rows_dot_512");
-  const int64_t runs = G / 4;
-  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // lane -> its block
-  __m512 acc[NT];
-  for (int j = 0; j < NT; j++) acc[j] = _mm512_setzero_ps();
-  const Prefetch ahead(rows + 2 * NT * wstride, NT * wstride, std::max<int64_t>(runs, 1));  // the tile after next
-  for (int64_t c = 0; c < runs; c++) {
-    ahead.part(c);
-    const float* xc = xp + 128 * c;
-    for (int j = 0; j < NT; j++) {
-      const uint8_t* row = rows + j * wstride;
-      const __m512i v = _mm512_loadu_si512(row + 64 * c), w = _mm512_srli_epi32(v, 12);
-      __m512 p0 = _mm512_mul_ps(nibble<0>(v), _mm512_loadu_ps(xc));
-      __m512 p1 = _mm512_mul_ps(nibble<1>(v), _mm512_loadu_ps(xc + 16));
-      p0 = _mm512_fmadd_ps(nibble<2>(v), _mm512_loadu_ps(xc + 32), p0);
-      p1 = _mm512_fmadd_ps(nibble<3>(v), _mm512_loadu_ps(xc + 48), p1);
-      p0 = _mm512_fmadd_ps(nibble<4>(v), _mm512_loadu_ps(xc + 64), p0);
-      p1 = _mm512_fmadd_ps(nibble<2>(w), _mm512_loadu_ps(xc + 80), p1);
-      p0 = _mm512_fmadd_ps(nibble<3>(w), _mm512_loadu_ps(xc + 96), p0);
-      p1 = _mm512_fmadd_ps(nibble<4>(w), _mm512_loadu_ps(xc + 112), p1);
-      const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * G + 8 * c)));
-      acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(d4)), _mm512_add_ps(p0, p1), acc[j]);
-    }
-  }
-  for (int j = 0; j < NT; j++) {
-    const Blocks<QT> b{rows + j * wstride, G};
-    for (int64_t g = 4 * runs; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.codes(g))));
-      const __m512 p = _mm512_fmadd_ps(nibble<1>(q), _mm512_loadu_ps(x + g * GROUP + 16),
-                                       _mm512_mul_ps(nibble<0>(q), _mm512_loadu_ps(x + g * GROUP)));
-      acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(half_to_float(b.scale(g))), p, acc[j]);
-    }
-    const uint8_t* mins = FT<QT> == Q4_1 ? b.minimum(0) : b.scale(0);
-    __m512 macc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g += 16) {
-      const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-      macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mins + 2 * g)), _mm512_maskz_loadu_ps(k, sx + g),
-                             macc);
-    }
-    out[j] = _mm512_reduce_add_ps(FT<QT> == Q4_0 ? _mm512_fmadd_ps(macc, _mm512_set1_ps(-8.0f), acc[j])
-                                                 : _mm512_add_ps(acc[j], macc));
-  }
-}
-
-// RT activation rows (2 in use; each in split_order, xp + r * ldxp; x and sx of stride ldx and G) against NT split
-// rows: out[r * ldo + j], as rows_dot_split computes each. A run's 8 nibble floats and 4 scales are made once
-// for the RT rows, and each 16-float vector of xp is loaded once for the NT weight rows.
+// RT rows of x (1 or 2; each in split_order, xp + r * ldxp; x and sx of stride ldx and G) against NT split rows
+// (Q4_0_SPLIT, Q4_1_SPLIT): out[r * ldo + j] = x_r . row j, as sum_g d_g (q_g . x_g) + sum_g m_g sx_g (Q4_0:
+// m_g = -8 d_g). A run of 4 blocks is one 64-byte load of codes, 8 nibble extractions and 4 scales, made once for
+// the RT rows, then 8 FMAs against each row's xp (each 16-float vector loaded once for the NT weight rows) and one
+// FMA with the scales, each over its block's 4 lanes; the G % 4 blocks past the last run go one at a time against
+// x; the minima's term is 16 blocks per FMA.
 template <int64_t QT, int NT, int RT>
 inline void tile_dot_split(const uint8_t* rows, int64_t wstride, int64_t G, const float* xp, int64_t ldxp,
                            const float* x, int64_t ldx, const float* sx, float* out, int64_t ldo) {
@@ -601,27 +552,36 @@ void tiles_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, i
 // Rows of x per chunk: 64 rows of up to 1536 floats (384 KB) stay in L2 while a thread's weight rows pass them.
 constexpr int64_t X_CHUNK_ROWS = 64;
 
-// Rows [begin, end) of out [M, N]: one row of x as rows_dot_512 (rows_dot_split for split rows, xp: each row of x
-// in split_order, split_stride apart), two against split rows as tile_dot_split, 2-5 rows in tiles of 4 weight
+// Rows [begin, end) of out [M, N]: one or two rows of x against split rows as tile_dot_split (xp: each row of x in
+// split_order, split_stride apart), one row against a file layout as rows_dot_512, 2-5 rows in tiles of 4 weight
 // rows, more in tiles of 2 over 64-row chunks of x.
 template <int64_t QT>
 void block_rows_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, const float* x,
                     int64_t M, const float* sx, const float* xp, float* out, int64_t N) {
-  if (M == 1) {
-    int64_t n = begin;
-    if constexpr (Blocks<QT>::SPLIT) {
-      for (; n + 4 <= end; n += 4) rows_dot_split<QT, 4>(wd + n * wstride, wstride, G, xp, x, sx, out + n);
-      for (; n < end; n++) rows_dot_split<QT, 1>(wd + n * wstride, wstride, G, xp, x, sx, out + n);
-    } else {
+  if constexpr (Blocks<QT>::SPLIT) {
+    if (M <= SPLIT_MAX_ROWS) {
+      const int64_t K = G * GROUP, ldxp = split_stride(G);
+      auto pass = [&](auto rt) {  // tiles of 2 weight rows (4 spill registers at 2 rows of x), then one
+        constexpr int RT = decltype(rt)::value;
+        int64_t n = begin;
+        for (; n + 2 <= end; n += 2)
+          tile_dot_split<QT, 2, RT>(wd + n * wstride, wstride, G, xp, ldxp, x, K, sx, out + n, N);
+        for (; n < end; n++) tile_dot_split<QT, 1, RT>(wd + n * wstride, wstride, G, xp, ldxp, x, K, sx, out + n, N);
+      };
+      if (M == 1) pass(std::integral_constant<int, 1>{});
+      else pass(std::integral_constant<int, 2>{});
+      return;
+    }
+  }
+  if constexpr (!Blocks<QT>::SPLIT) {
+    if (M == 1) {
+      int64_t n = begin;
       for (; n + 4 <= end; n += 4) rows_dot_512<QT, 4>(wd + n * wstride, wstride, G, x, sx, out + n);
       for (; n < end; n++) rows_dot_512<QT, 1>(wd + n * wstride, wstride, G, x, sx, out + n);
+      return;
     }
-  } else if (Blocks<QT>::SPLIT && M <= SPLIT_MAX_ROWS) {
-    const int64_t K = G * GROUP, ldxp = split_stride(G);
-    int64_t n = begin;  // tiles of 2 weight rows (4 spill registers and measured slower), then one
-    for (; n + 2 <= end; n += 2) tile_dot_split<QT, 2, 2>(wd + n * wstride, wstride, G, xp, ldxp, x, K, sx, out + n, N);
-    for (; n < end; n++) tile_dot_split<QT, 1, 2>(wd + n * wstride, wstride, G, xp, ldxp, x, K, sx, out + n, N);
-  } else if (M < 6) {
+  }
+  if (M < 6) {
     tiles_512<QT, 4>(wd, wstride, begin, end, G, x, M, out, N);
   } else {
     for (int64_t r = 0; r < M; r += X_CHUNK_ROWS)
@@ -714,7 +674,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
   auto xpad = K == Kp ? x.contiguous() : torch::zeros({M, Kp}, x.options());
   if (K != Kp) xpad.narrow(1, 0, K).copy_(x);
   const float* xd = xpad.data_ptr<float>();
-  // Up to SPLIT_MAX_ROWS rows of x against split rows: rows_dot_split / tile_dot_split, which also take Q4_0's
+  // Up to SPLIT_MAX_ROWS rows of x against split rows: tile_dot_split, which also takes Q4_0's
   // -8 d through sx.
 #if defined(MS_AVX512)
   const bool split_row = file_type(qtype) != qtype && M <= SPLIT_MAX_ROWS;
