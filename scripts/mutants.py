@@ -133,7 +133,15 @@ MUTANTS = [
     Mutant("head: each position read with the token at it instead of the one after", "minispec/spec_decode/head.py",
            "            tokens.append(r.token_ids[start + 1 : n + 1])", "            tokens.append(r.token_ids[start : n])",
            ("tests/test_head.py::test_proposals_are_the_head_on_the_accepted_context",)),
-    # ---- the split rows' one-row kernel (kernels/packed_cpu.cpp; each mutant rebuilds the C++ extension)
+    # ---- draft="auto" (llm.py)
+    Mutant("auto: the head taken whatever its predicted speedup", "minispec/llm.py",
+           "        pays = pred >= AUTO_MIN_SPEEDUP", "        pays = True",
+           ("tests/test_head.py", "-k", "auto_takes_the_head")),
+    # ---- the split rows' kernel (kernels/packed_cpu.cpp; each mutant rebuilds the C++ extension)
+    Mutant("split kernel: the second row of x read from the first row's reordered x", "minispec/kernels/packed_cpu.cpp",
+           "        const __m512 xv = _mm512_load_ps(xp + r * ldxp + 128 * c + 16 * P);",
+           "        const __m512 xv = _mm512_load_ps(xp + 128 * c + 16 * P);",
+           ("tests/test_quant.py", "-k", "split_kernel_every_run_and_tail")),
     Mutant("split kernel: x reordered with the low and high nibbles swapped", "minispec/kernels/packed_cpu.cpp",
            "4 * (l % 4) + p / 2 + 16 * (p % 2)]", "4 * (l % 4) + p / 2 + 16 * (1 - p % 2)]",
            ("tests/test_quant.py", "-k", "split_kernel_every_run_and_tail")),
