@@ -37,8 +37,8 @@ from minispec.utils import parse_dtype
 # 0.96-1.07x target-only with adaptive k; on the Intel AMX kind (1.02) the same figures predict about 1.4x.
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target where it is predicted to pay, else none
-AUTO_MIN_SPEEDUP = 1.15  # the predicted batch-1 speedup at k = 1 above which "auto" speculates (the bench's
-# prediction ran up to 1.2x above what it measured on the Zen 4, docs/experiments.md)
+AUTO_MIN_SPEEDUP = 1.15  # the predicted batch-1 speedup at k = 1 from which "auto" speculates (above 1: the Zen 4
+# measured 0.91-0.95 of the bench's prediction, docs/experiments.md, fourteenth session)
 HEAD_WITH_LOOKUP = "+ngram"  # draft="HEAD+ngram": prompt lookup (matches of 2+ tokens) where it finds one, else the head
 # target alias -> (an EAGLE head that ships for it, its quantisation): what "auto" measures
 DRAFT_FOR_TARGET: dict[str, tuple[str, str | None]] = {
