@@ -138,17 +138,18 @@ MUTANTS = [
            "        pays = pred >= AUTO_MIN_SPEEDUP", "        pays = True",
            ("tests/test_head.py", "-k", "auto_takes_the_head")),
     # ---- the split rows' kernel (kernels/packed_cpu.cpp; each mutant rebuilds the C++ extension)
-    Mutant("split kernel: the second row of x read from the first row's reordered x", "minispec/kernels/packed_cpu.cpp",
+    *(Mutant(name, "minispec/kernels/packed_cpu.cpp", old, new,
+             ("tests/test_quant.py", "-k", "split_kernel_every_run_and_tail"))
+      for name, old, new in [
+          ("split kernel: the second row of x read from the first row's reordered x",
            "        const __m512 xv = _mm512_load_ps(xp + r * ldxp + 128 * c + 16 * P);",
-           "        const __m512 xv = _mm512_load_ps(xp + 128 * c + 16 * P);",
-           ("tests/test_quant.py", "-k", "split_kernel_every_run_and_tail")),
-    Mutant("split kernel: x reordered with the low and high nibbles swapped", "minispec/kernels/packed_cpu.cpp",
-           "4 * (l % 4) + p / 2 + 16 * (p % 2)]", "4 * (l % 4) + p / 2 + 16 * (1 - p % 2)]",
-           ("tests/test_quant.py", "-k", "split_kernel_every_run_and_tail")),
-    Mutant("split kernel: the blocks past the last run of 4 left out", "minispec/kernels/packed_cpu.cpp",
+           "        const __m512 xv = _mm512_load_ps(xp + 128 * c + 16 * P);"),
+          ("split kernel: x reordered with the low and high nibbles swapped",
+           "4 * (l % 4) + p / 2 + 16 * (p % 2)]", "4 * (l % 4) + p / 2 + 16 * (1 - p % 2)]"),
+          ("split kernel: the blocks past the last run of 4 left out",
            "    for (int64_t g = 4 * runs; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)",
-           "    for (int64_t g = G; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)",
-           ("tests/test_quant.py", "-k", "split_kernel_every_run_and_tail")),
+           "    for (int64_t g = G; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)"),
+      ]),
 ]
 
 
