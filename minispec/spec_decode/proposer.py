@@ -125,7 +125,8 @@ def coupled_noise(reqs: list[Drafting], num_steps: int, vocab: int) -> list[tupl
     if not idx:
         return [None] * num_steps
     rows = [reqs[i].random.position_noise(len(reqs[i].token_ids), num_steps, vocab) for i in idx]  # [m][num_steps]
-    return [(torch.tensor(idx), torch.stack([r[j] for r in rows])) for j in range(num_steps)]
+    at = torch.tensor(idx)  # [m], one tensor shared by the steps
+    return [(at, torch.stack([r[j] for r in rows])) for j in range(num_steps)]
 
 
 def draw_drafts(logits: torch.Tensor, sampling: BatchSampling, u: torch.Tensor,
