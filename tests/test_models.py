@@ -159,6 +159,22 @@ def test_rollback_rewrites_rejected_drafts(tiny):
     torch.testing.assert_close(outs[1], full_b[3:5], atol=1e-5, rtol=0)
 
 
+def test_rotary_table_equals_the_rotation_computed_per_position():
+    """RotaryEmbedding's table rows, grown past their first size, against polar(scaling, p * inv_freq) computed
+    for the positions alone (exact: the same float32 products and the same polar)."""
+    from types import SimpleNamespace
+
+    from minispec.layers.rotary import RotaryEmbedding
+    rotary = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), 16)
+    for positions, max_ctx in [(torch.tensor([[0, 1, 2], [7, 0, 0]]), 8), (torch.tensor([[300, 301]]), None),
+                               (torch.tensor([[4095, 5]]), 4096)]:
+        angles = positions.unsqueeze(-1).float() * rotary.inv_freq
+        want = torch.polar(torch.ones_like(angles), angles).unsqueeze(2)  # [B, L, 1, 8]
+        got = rotary(positions, max_ctx)
+        assert got.shape == want.shape and torch.equal(got, want)
+    assert rotary.table.shape == (4096, 8)
+
+
 def test_compute_logits_shapes(tiny):
     _, model = tiny
     h = torch.randn(5, model.hidden_size)

@@ -54,11 +54,19 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"partial rotary embeddings are not supported (rotary dim {inv_freq.numel() * 2} "
                              f"!= head_dim {head_dim})")
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim / 2]
+        # [num_positions, head_dim / 2] complex64: the rotation of every position below num_positions
+        self.register_buffer("table", torch.empty(0, inv_freq.numel(), dtype=torch.complex64, device=device),
+                             persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions [B, L] -> freqs_cis [B, L, 1, head_dim / 2] complex64 (broadcasts over heads)."""
-        angles = positions.unsqueeze(-1).float() * self.inv_freq  # [B, L, head_dim / 2]
-        return torch.polar(torch.full_like(angles, self.attention_scaling), angles).unsqueeze(2)
+    def forward(self, positions: torch.Tensor, max_ctx: int | None = None) -> torch.Tensor:
+        """positions [B, L] (each below max_ctx; default positions.max() + 1) -> freqs_cis [B, L, 1, head_dim / 2]
+        complex64 (broadcasts over heads): rows of the table, grown (at least doubled) when a context outgrows it."""
+        n = int(positions.max()) + 1 if max_ctx is None else max_ctx
+        if n > self.table.shape[0]:
+            size = max(n, 2 * self.table.shape[0], 256)
+            angles = torch.arange(size, dtype=torch.float32, device=self.inv_freq.device).unsqueeze(-1) * self.inv_freq
+            self.table = torch.polar(torch.full_like(angles, self.attention_scaling), angles)  # [size, head_dim / 2]
+        return self.table[positions].unsqueeze(2)
 
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

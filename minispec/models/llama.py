@@ -165,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         capture = self.capture_layers
         captured = torch.empty(B, L, len(capture) * H, dtype=h.dtype, device=h.device) if capture else None
         self.captured = captured
-        freqs_cis = self.rotary(batch.positions)  # [B, L, 1, head_dim / 2]
+        freqs_cis = self.rotary(batch.positions, batch.max_ctx)  # [B, L, 1, head_dim / 2]
         meta = AttentionMetadata.build(batch, freqs_cis, kv.k[0], self.num_heads // self.num_kv_heads)
         if meta.fused and (layers := self.cpu_layers()):  # every layer in one C++ call, same kernels
             out = cpu.ops().decode_layers(

@@ -73,7 +73,7 @@ class HeadRunner:
             for b, i in enumerate(order):
                 feats[b, : lens[b]] = features[i]
         w, cfg = self.weights, self.cfg
-        meta = AttentionMetadata.build(batch, self.rotary(batch.positions), self.kv.k[0],
+        meta = AttentionMetadata.build(batch, self.rotary(batch.positions, batch.max_ctx), self.kv.k[0],
                                        cfg.num_attention_heads // cfg.num_key_value_heads)
         last = torch.tensor([b * L + lens[b] - 1 for b in range(B)], device=self.device)  # [B] only these go on
         if meta.fused and (args := self.cpu_args()):  # the steps below in one C++ call, same kernels
