@@ -10,8 +10,7 @@ import torch
 from minispec.distributed import get_tp_group, share_from_owners, to_owners
 from minispec.engine.input_batch import InputBatch, logits_offsets
 from minispec.engine.observer import Observer, StepRecord
-from minispec.engine.request import Request, TokenLogprobs
-from minispec.engine.scheduler import ScheduledRequest, Scheduler
+from minispec.engine.request import Request, ScheduledRequest, Scheduler, TokenLogprobs
 from minispec.runner.model_runner import ModelRunner
 from minispec.sample.random import RequestRandom, verify_draws
 from minispec.sample.sampler import BatchSampling
