@@ -87,8 +87,8 @@ def exponentials(gens: Sequence[np.random.Generator], vocab: int, device: torch.
 def verify_draws(gens: Sequence[np.random.Generator | None], k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rejection sampler's randomness for a batch: uniforms [n, k] and Exp(1) noise [n, vocab].
 
-    gens[i] is request i's verify generator, or None for a greedy request, which draws nothing (its entries
-    stay 0 and 1: the sampler ignores them). Only the sampled requests' generators advance.
+    gens[i] is request i's sampler stream (RequestRandom.sampler), or None for a greedy or coupled request,
+    which draws nothing (its entries stay 0 and 1: the sampler ignores them). Only the other streams advance.
     """
     sampled = [i for i, g in enumerate(gens) if g is not None]
     if sampled and len(sampled) == len(gens):  # every request samples: no placeholders to fill in
