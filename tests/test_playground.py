@@ -1,6 +1,7 @@
 """The playground: a smoke sweep on tiny models (files, columns, plots, consistent numbers), AdaptiveK's
 rule and its request tracking, settings parsing, prompt sets."""
 import csv
+import inspect
 import json
 import os
 from types import SimpleNamespace
@@ -350,7 +351,7 @@ def test_config_and_overrides(tmp_path):
                               "max_tokens": 5, "seed": None})
     assert cfg.k == [2, 4] and cfg.temperature == [0.0, 0.8] and cfg.max_tokens == 5
     assert cfg.seed == 0  # None overrides leave the file's value
-    assert isinstance(cfg.draft, list) and cfg.adaptive["decay"] == 0.8
+    assert isinstance(cfg.draft, list) and cfg.adaptive["decay"] == inspect.signature(AdaptiveK).parameters["decay"].default
     for path in ("playground-smoke.toml", "playground-smollm2.toml"):
         load_config(os.path.join(ROOT, "configs", path))
     bad = tmp_path / "bad.toml"

@@ -1,16 +1,20 @@
 """Playground settings: one dataclass, filled from its defaults, a TOML file and command-line overrides."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from minispec.llm import DEFAULT_TARGET
+from minispec.spec_decode.adaptive import AdaptiveK
 from minispec.tools.config import load_settings
 
 # Keys swept as a grid (a scalar in the file means a one-value list), and their element types.
 GRID_TYPES = {"draft": str, "k": int, "temperature": float, "top_p": float, "prompt_set": str, "batch_size": int,
               "policy": str}
 GRID_KEYS = tuple(GRID_TYPES)
-ADAPTIVE = {"decay": 0.8, "prior_alpha": 0.5, "prior_weight": 2.0, "margin": 1.0, "probe_every": 8}
+# AdaptiveK settings a file may give, and their defaults (AdaptiveK's own)
+ADAPTIVE = {name: inspect.signature(AdaptiveK).parameters[name].default
+            for name in ("decay", "prior_alpha", "prior_weight", "margin", "probe_every")}
 
 
 @dataclass
