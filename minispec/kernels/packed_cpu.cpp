@@ -10,6 +10,7 @@
 #include "cpu_ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -382,14 +383,13 @@ inline void rows_dot_512(const uint8_t* rows, int64_t wstride, int64_t G, const 
   for (int j = 0; j < NT; j++) out[j] = _mm512_reduce_add_ps(acc[j]) + macc[j];
 }
 
-// Nibble P (0-4) of every 32-bit lane of v as an exact float: the nibble as mantissa bits 4P .. 4P + 3 of 2^e,
-// e = 23 - 4P (whose mantissa unit is 2^-4P), minus 2^e. One bit operation and one subtraction, neither of
-// them on the multiply pipes or the shuffle unit.
+// Nibble P (0-4) of every 32-bit lane of v times 2^(4P), an exact float (below 2^20): one AND and one int-to-float
+// conversion. Reading the nibble as the low mantissa bits of 2^(23 - 4P), minus 2^(23 - 4P), costs as many
+// operations, but a ternary-logic op overwrites one input, so v (read 5 times) is copied before each: that measured
+// 5-9 % slower in the one- and two-row kernel (docs/experiments.md). split_order scales x by 2^(-4P) to match.
 template <int P>
 inline __m512 nibble(__m512i v) {
-  const __m512i e = _mm512_set1_epi32((127 + 23 - 4 * P) << 23);
-  const __m512i bits = _mm512_ternarylogic_epi32(v, _mm512_set1_epi32(15 << (4 * P)), e, 0xEA);  // (v & mask) | e
-  return _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_castsi512_ps(e));
+  return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15 << (4 * P))));
 }
 
 // Rows of x up to which split rows take tile_dot_split, not the tiles: with 3 rows it measured no faster than
@@ -400,11 +400,16 @@ inline int64_t split_stride(int64_t G) { return G / 4 * 128; }
 
 // x in the order tile_dot_split reads codes: for each run c of 4 blocks (128 values), xp[128 c + 16 p + l] is
 // the value whose code is nibble p of 32-bit lane l of the run's 64 code bytes: code 4 (l % 4) + p / 2 +
-// 16 (p % 2) of block l / 4 (nibbles 5-7 are read as nibbles 2-4 of the lanes shifted by 12 bits).
+// 16 (p % 2) of block l / 4 (nibbles 5-7 are read as nibbles 2-4 of the lanes shifted by 12 bits), times the
+// 2^(-4P) that undoes nibble's scale. A power of two: every product q x rounds as before, unless x * 2^(-4P) is
+// subnormal (|x| < 2^-110).
 void split_order(const float* x, int64_t G, float* xp) {
   for (int64_t c = 0; c < G / 4; c++)
-    for (int p = 0; p < 8; p++)
-      for (int l = 0; l < 16; l++) xp[128 * c + 16 * p + l] = x[128 * c + 32 * (l / 4) + 4 * (l % 4) + p / 2 + 16 * (p % 2)];
+    for (int p = 0; p < 8; p++) {
+      const float unit = std::ldexp(1.0f, -4 * (p < 5 ? p : p - 3));
+      for (int l = 0; l < 16; l++)
+        xp[128 * c + 16 * p + l] = x[128 * c + 32 * (l / 4) + 4 * (l % 4) + p / 2 + 16 * (p % 2)] * unit;
+    }
 }
 
 // RT rows of x (1 or 2; each in split_order, xp + r * ldxp; x and sx of stride ldx and G) against NT split rows
@@ -463,7 +468,8 @@ inline void tile_dot_split(const uint8_t* rows, int64_t wstride, int64_t G, cons
     const Blocks<QT> b{rows + j * wstride, G};
     for (int64_t g = 4 * runs; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)
       const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.codes(g))));
-      const __m512 lo = nibble<0>(q), hi = nibble<1>(q), d = _mm512_set1_ps(half_to_float(b.scale(g)));
+      const __m512 lo = nibble<0>(q), hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));  // q: one byte a lane
+      const __m512 d = _mm512_set1_ps(half_to_float(b.scale(g)));
       for (int r = 0; r < RT; r++) {
         const float* xg = x + r * ldx + g * GROUP;
         acc[r][j] = _mm512_fmadd_ps(d, _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xg))),
