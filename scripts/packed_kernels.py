@@ -6,6 +6,9 @@ rows, else on the file's) side by side.
     .venv/bin/python scripts/packed_kernels.py [--rows 1,2,5,16] [--reps 5] [--threads 2]
         [--target smollm2-135m-instruct] [--baseline OTHER_CHECKOUT/minispec/kernels]
 
+With --resident (best at --threads 1) it times one small matrix at a time instead, so that the weights stay in L2
+and the figure is the kernel's own cost per block.
+
 For each row count M it times every packed weight of the model (the decoder layers' q|k|v, o, gate|up and
 down, then the tied LM head) multiplied by an [M, K] float32 input, alternating the builds each repetition,
 and prints the median ms, GMAC/s and the weight bytes streamed per second; and the largest error of each
@@ -45,6 +48,28 @@ def max_rel_err(ext, xs, ws) -> float:
     return err
 
 
+def resident(builds, rows: str, reps: int, calls: int = 300) -> None:
+    """--resident: per build, the median over reps of `calls` back-to-back products with one matrix, in ns per block
+    and row of the matrix, for the first layer's q|k|v and down (indices 0 and 3 of packed_weights)."""
+    g = torch.Generator().manual_seed(0)
+    for index, name in ((0, "q|k|v"), (3, "down")):
+        for M in (int(r) for r in rows.split(",")):
+            w0 = builds[0][2][index]
+            x = torch.randn(M, w0.in_features, generator=g)
+            blocks = w0.shape[0] * ((w0.in_features + 31) // 32)
+            times = {b: [] for b, _, _ in builds}
+            for _ in range(reps):
+                for b, ext, wl in builds:
+                    w = wl[index]
+                    t = time.perf_counter()
+                    for _ in range(calls):
+                        ext.packed_linear(x, w.data, w.qtype, w.in_features)
+                    times[b].append((time.perf_counter() - t) / calls / blocks * 1e9)
+            med = {b: statistics.median(v) for b, v in times.items()}
+            print(f"{name} {tuple(w0.shape)} M={M}: " + "  ".join(f"{b} {t:.3f} ns/block" for b, t in med.items())
+                  + "".join(f"  loaded / {b} {med['loaded'] / med[b]:.3f}x" for b in list(med)[1:]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -52,6 +77,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--baseline", type=Path, help="another checkout's minispec/kernels directory, built beside this one")
+    ap.add_argument("--resident", action="store_true",
+                    help="instead: the first layer's q|k|v and down matrices alone, 300 calls each (held in L2 at one "
+                         "thread), ns per block: the kernels' own cost without the memory's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     this = ops()
@@ -74,6 +102,8 @@ def main() -> None:
         builds.append(("file", this, files))
     if args.baseline:
         builds.append(("baseline", baseline, loaded if getattr(baseline, "PACKED_SPLIT", False) else files))
+    if args.resident:
+        return resident(builds, args.rows, args.reps)
     ws = loaded
     nbytes = sum(w.data.numel() for w in ws)
     kinds = sorted({type_name(w.qtype) for w in loaded})
