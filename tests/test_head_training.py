@@ -8,6 +8,7 @@ import torch
 
 from minispec import LLM, SamplingParams
 from minispec.distill.head import HeadTrainConfig, init_head, train
+from minispec.data import load_prompts
 from minispec.distill.head_data import generate, load_records, read_manifest
 from minispec.models.loader import load_model
 from minispec.tools.config import field_help
@@ -105,6 +106,23 @@ def test_a_second_seed_makes_new_answers_and_trains_beside_the_first(tiny, tmp_p
     (other / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="layers"):
         train(HeadTrainConfig(**{**run.__dict__, "data": f"{root / 'train'},{other}"}), progress=False, log=quiet)
+
+
+def test_a_prompt_file_gives_the_train_prompts_and_keeps_eval_held_out(tiny, tmp_path):
+    _, target, _, _ = tiny
+    quiet = lambda *a: None  # noqa: E731
+    mine = ["Name three birds.", "What is a verb?", "Count to five."]
+    (tmp_path / "p.json").write_text(json.dumps(mine))
+    manifest = generate(target, tmp_path / "d", 2, max_tokens=10, batch=2, prompt_file=tmp_path / "p.json", log=quiet)
+    assert manifest["done"] == mine[:2] and manifest["settings"]["prompt_file"] == "p.json"
+    with pytest.raises(ValueError, match="other settings"):  # a cache made from the train split is not extended
+        generate(target, tmp_path / "d", 3, max_tokens=10, batch=2, log=quiet)
+    (tmp_path / "bad.json").write_text(json.dumps(mine + load_prompts("eval")[:1]))
+    with pytest.raises(ValueError, match="1 eval prompts"):
+        generate(target, tmp_path / "e", 4, max_tokens=10, prompt_file=tmp_path / "bad.json", log=quiet)
+    (tmp_path / "notlist.json").write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="JSON list"):
+        generate(target, tmp_path / "f", 1, max_tokens=10, prompt_file=tmp_path / "notlist.json", log=quiet)
 
 
 def test_every_training_flag_has_help_from_its_field_comment(capsys):

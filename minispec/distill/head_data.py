@@ -40,6 +40,20 @@ def train_prompts(n: int, seed: int = 0) -> list[str]:
     return (base + synth_prompts(extra, seed=seed))[:n]
 
 
+def file_prompts(path: Path) -> list[str]:
+    """Train prompts from a JSON list of strings; an eval prompt among them is refused, so eval stays held out."""
+    try:
+        prompts = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--prompts {path}: cannot read a JSON list of prompts ({e})") from None
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
+        raise ValueError(f"--prompts {path}: expected a non-empty JSON list of non-empty strings")
+    held_out = set(load_prompts("eval")).intersection(prompts)
+    if held_out:
+        raise ValueError(f"--prompts {path}: {len(held_out)} eval prompts, which must stay held out, e.g. {min(held_out)!r}")
+    return prompts
+
+
 def answer_temperature(index: int, sampled_every: int) -> float:
     """Answer i is sampled at T = 0.8 when sampled_every divides i + 1, else greedy (0 = always greedy)."""
     return 0.8 if sampled_every and (index + 1) % sampled_every == 0 else 0.0
@@ -67,9 +81,9 @@ def load_records(out: Path | list[Path], max_tokens: int | None = None) -> list[
 @torch.inference_mode()
 def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int = 256, batch: int = 16,
              sampled_every: int = 2, top_k: int = 20, seed: int = 0, time_budget_min: float = 0.0,
-             shard_size: int = 256, split: str = "train", log=print) -> dict:
-    """Answer the first num_prompts prompts of a split (train: prompts.json's and synthetic ones; eval: the held-out
-    prompts) that out/ lacks with the target, capturing its hidden states.
+             shard_size: int = 256, split: str = "train", prompt_file: Path | None = None, log=print) -> dict:
+    """Answer the first num_prompts prompts of a split (train: prompts.json's and synthetic ones, or prompt_file's;
+    eval: the held-out prompts) that out/ lacks with the target, capturing its hidden states.
 
     Continuous batching over one ModelRunner: a finished answer's slot takes the next prompt, whose prefill
     runs as its own padded forward beside the decodes. Stops at time_budget_min (0 = none), saving what is
@@ -89,12 +103,19 @@ def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int =
                 "seed": seed, "capture_layers": list(model.capture_layers), "chat": True}
     if split != "train":
         settings["split"] = split
+    if prompt_file is not None:
+        if split != "train":
+            raise ValueError("--prompts gives train prompts; it does not go with --split eval")
+        settings["prompt_file"] = Path(prompt_file).name
     manifest = read_manifest(out)
     if manifest["settings"] not in (None, settings):
         raise ValueError(f"{out} holds data made with other settings ({manifest['settings']}); use another directory")
     manifest["settings"] = settings
     done = set(manifest["done"])
-    prompts = train_prompts(num_prompts, seed) if split == "train" else load_prompts("eval")[:num_prompts]
+    if prompt_file is not None:
+        prompts = file_prompts(prompt_file)[:num_prompts]
+    else:
+        prompts = train_prompts(num_prompts, seed) if split == "train" else load_prompts("eval")[:num_prompts]
     todo = [(i, p) for i, p in enumerate(prompts) if p not in done]
     log(f"head data: {len(done)} answers in {out}, {len(todo)} to make (batch {batch}, max {max_tokens} tokens)")
     if not todo:
@@ -184,6 +205,8 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--split", choices=("train", "eval"), default="train")
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="a JSON list of train prompts to answer instead of the built-in train split")
     ap.add_argument("--num-prompts", type=int, default=8000)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
@@ -198,7 +221,8 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     generate(a.target, a.out, a.num_prompts, max_tokens=a.max_tokens, batch=a.batch, sampled_every=a.sampled_every,
-             top_k=a.top_k, seed=a.seed, time_budget_min=a.time_budget_min, shard_size=a.shard_size, split=a.split)
+             top_k=a.top_k, seed=a.seed, time_budget_min=a.time_budget_min, shard_size=a.shard_size, split=a.split,
+             prompt_file=a.prompts)
 
 
 if __name__ == "__main__":
