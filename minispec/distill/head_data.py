@@ -95,6 +95,12 @@ def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int =
     from minispec.models.loader import load_model
     from minispec.runner.model_runner import ModelRunner
 
+    if prompt_file is not None and split != "train":
+        raise ValueError("--prompts gives train prompts; it does not go with --split eval")
+    if prompt_file is not None:  # a bad file is refused before the target loads
+        prompts = file_prompts(prompt_file)[:num_prompts]
+    else:
+        prompts = train_prompts(num_prompts, seed) if split == "train" else load_prompts("eval")[:num_prompts]
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_model(target_spec, dtype=torch.float32, device=torch.device("cpu"), packed=None)
     model = loaded.model
@@ -104,18 +110,12 @@ def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int =
     if split != "train":
         settings["split"] = split
     if prompt_file is not None:
-        if split != "train":
-            raise ValueError("--prompts gives train prompts; it does not go with --split eval")
         settings["prompt_file"] = Path(prompt_file).name
     manifest = read_manifest(out)
     if manifest["settings"] not in (None, settings):
         raise ValueError(f"{out} holds data made with other settings ({manifest['settings']}); use another directory")
     manifest["settings"] = settings
     done = set(manifest["done"])
-    if prompt_file is not None:
-        prompts = file_prompts(prompt_file)[:num_prompts]
-    else:
-        prompts = train_prompts(num_prompts, seed) if split == "train" else load_prompts("eval")[:num_prompts]
     todo = [(i, p) for i, p in enumerate(prompts) if p not in done]
     log(f"head data: {len(done)} answers in {out}, {len(todo)} to make (batch {batch}, max {max_tokens} tokens)")
     if not todo:
