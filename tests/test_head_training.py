@@ -108,7 +108,7 @@ def test_a_second_seed_makes_new_answers_and_trains_beside_the_first(tiny, tmp_p
         train(HeadTrainConfig(**{**run.__dict__, "data": f"{root / 'train'},{other}"}), progress=False, log=quiet)
 
 
-def test_a_prompt_file_gives_the_train_prompts_and_keeps_eval_held_out(tiny, tmp_path):
+def test_a_prompt_file_gives_the_train_prompts_and_keeps_eval_held_out(tiny, tmp_path, capsys):
     _, target, _, _ = tiny
     quiet = lambda *a: None  # noqa: E731
     mine = ["Name three birds.", "What is a verb?", "Count to five."]
@@ -123,6 +123,11 @@ def test_a_prompt_file_gives_the_train_prompts_and_keeps_eval_held_out(tiny, tmp
     (tmp_path / "notlist.json").write_text('{"a": 1}')
     with pytest.raises(ValueError, match="JSON list"):
         generate(target, tmp_path / "f", 1, max_tokens=10, prompt_file=tmp_path / "notlist.json", log=quiet)
+    from minispec.distill.head_data import main  # the command line says it in one line, not a traceback
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--target", target, "--out", str(tmp_path / "g"), "--prompts", str(tmp_path / "bad.json")])
+    assert exit_.value.code == 2 and "1 eval prompts" in capsys.readouterr().err
 
 
 def test_every_training_flag_has_help_from_its_field_comment(capsys):
@@ -145,3 +150,19 @@ def test_a_saved_head_evaluates_as_its_run_did(tiny, capsys):
     assert [ev[f"acc_{j}"] for j in (1, 2, 3)] == [final[f"acc_{j}"] for j in (1, 2, 3)]
     main(["--evaluate", cfg.out, "--eval-data", str(root / "eval"), "--ttt-steps", "2"])
     assert f"{cfg.out}: held-out greedy acceptance over {ev['eval_positions']} positions: " in capsys.readouterr().out
+
+
+def test_eval_data_without_greedy_answers_is_refused_in_one_line(tiny, tmp_path, capsys):
+    """Acceptance is measured on greedy answers only: an all-sampled eval directory is an error, not "0 positions"."""
+    from minispec.distill.head import evaluate_head, main
+
+    root, target, cfg, _ = tiny
+    generate(target, tmp_path / "sampled", 2, max_tokens=6, batch=2, split="eval", sampled_every=1, log=lambda *a: None)
+    with pytest.raises(ValueError, match="no greedy answers"):
+        evaluate_head(Path(cfg.out), tmp_path / "sampled", cfg.features, 2)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--evaluate", cfg.out, "--eval-data", str(tmp_path / "sampled")])
+    assert exit_.value.code == 2 and "holds no greedy answers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # training refuses it too, before any step
+        main(["--data", str(root / "train"), "--eval-data", str(tmp_path / "sampled"), "--out", str(tmp_path / "h")])
+    assert "holds no greedy answers" in capsys.readouterr().err and not (tmp_path / "h" / "ckpt.pt").exists()

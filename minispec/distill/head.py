@@ -233,14 +233,23 @@ def target_and_features(data_dirs: list[Path], features: str):
     return target, cols, capture if features == "fused" else capture[-1:]
 
 
+def greedy_records(eval_data: Path) -> list[dict]:
+    """An eval directory's greedy answers (temperature 0): the acceptance is measured on them alone."""
+    recs = [r for r in load_records(eval_data) if r.get("temperature", 0.0) == 0]
+    if not recs:
+        raise ValueError(f"--eval-data {eval_data} holds no greedy answers, and acceptance is measured on greedy ones "
+                         f"only; make it with head_data --split eval --sampled-every 0")
+    return recs
+
+
 def evaluate_head(path: Path, eval_data: Path, features: str, steps: int, batch_tokens: int = 4096) -> dict:
     """A saved head's held-out acceptance over `steps` positions (evaluate's figures), whatever it was trained with."""
     target, cols, feature_layers = target_and_features([eval_data], features)
     head = init_head(path, target, feature_layers)
     t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
     t2d[head.draft_ids] = torch.arange(len(head.draft_ids))
-    recs = [r for r in load_records(eval_data) if r.get("temperature", 0.0) == 0]
-    return evaluate(head, target_embeddings(target), Batches(recs, batch_tokens, steps, t2d, cols, 0), steps)
+    return evaluate(head, target_embeddings(target), Batches(greedy_records(eval_data), batch_tokens, steps, t2d, cols, 0),
+                    steps)
 
 
 def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log=print) -> dict:
@@ -256,7 +265,7 @@ def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log
     target, cols, feature_layers = target_and_features(data_dirs, cfg.features)
     t0 = time.perf_counter()
     train_recs = load_records(data_dirs, cfg.max_tokens or None)
-    eval_recs = [r for r in load_records(Path(cfg.eval_data)) if r.get("temperature", 0.0) == 0]
+    eval_recs = greedy_records(Path(cfg.eval_data))
     n_tokens = sum(len(r["topk_ids"]) for r in train_recs)
     log(f"head: {len(train_recs)} train answers ({n_tokens} tokens), {len(eval_recs)} eval answers "
         f"({sum(len(r['topk_ids']) for r in eval_recs)} tokens), loaded in {time.perf_counter() - t0:.0f} s")
@@ -390,14 +399,20 @@ def main(argv=None) -> None:
             ap.error("--evaluate needs --eval-data")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        ev = evaluate_head(Path(judged), Path(cfg.eval_data), cfg.features, cfg.ttt_steps)
+        try:
+            ev = evaluate_head(Path(judged), Path(cfg.eval_data), cfg.features, cfg.ttt_steps)
+        except ValueError as e:  # bad data or a bad head
+            ap.error(str(e))
         print(f"{judged}: held-out greedy acceptance over {ev['eval_positions']} positions: " +
               " / ".join(f"{ev[f'acc_{j + 1}']:.3f}" for j in range(cfg.ttt_steps)))
         return
     for name in ("data", "eval_data", "out"):
         if not getattr(cfg, name):
             ap.error(f"--{name.replace('_', '-')} is required")
-    train(cfg, resume=resume, progress=progress)
+    try:
+        train(cfg, resume=resume, progress=progress)
+    except ValueError as e:  # bad data, a bad --init head
+        ap.error(str(e))
 
 
 if __name__ == "__main__":

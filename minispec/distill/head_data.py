@@ -220,9 +220,12 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    generate(a.target, a.out, a.num_prompts, max_tokens=a.max_tokens, batch=a.batch, sampled_every=a.sampled_every,
-             top_k=a.top_k, seed=a.seed, time_budget_min=a.time_budget_min, shard_size=a.shard_size, split=a.split,
-             prompt_file=a.prompts)
+    try:
+        generate(a.target, a.out, a.num_prompts, max_tokens=a.max_tokens, batch=a.batch, sampled_every=a.sampled_every,
+                 top_k=a.top_k, seed=a.seed, time_budget_min=a.time_budget_min, shard_size=a.shard_size, split=a.split,
+                 prompt_file=a.prompts)
+    except ValueError as e:  # a bad prompt file, too many prompts asked for, data made with other settings
+        ap.error(str(e))
 
 
 if __name__ == "__main__":
