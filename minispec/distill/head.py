@@ -332,7 +332,10 @@ def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log
             step += 1
             train_s += time.perf_counter() - t1
             bar.update(1)
-            bar.set_postfix(loss=f"{float(losses[0].detach()):.3f}", acc1=f"{counts[0][0] / max(counts[0][1], 1):.2f}")
+            shown = {"loss": f"{float(losses[0].detach()):.3f}"}
+            if counts[0][1]:  # the batch's greedy answers' acc_1; a batch of sampled answers has none
+                shown["acc1"] = f"{counts[0][0] / counts[0][1]:.2f}"
+            bar.set_postfix(shown)
             if step % cfg.eval_every == 0 or step == total_steps:
                 ev = evaluate(head, emb_table, eval_b, cfg.ttt_steps)
                 history.append({"step": step, "train_s": round(train_s, 1), "train_loss_1": float(losses[0].detach())} | ev)
