@@ -227,6 +227,7 @@ def test_bad_checkpoints_get_one_line_errors(target, tmp_path):
          "reads target layers [1, 9]; the target has 4"),
         (variant("shape", state_fn=lambda s: s | {"fc.weight": s["fc.weight"][:, :10].contiguous()}),
          "'fc.weight' has shape"),
+        (tmp_path, "cannot read its config.json"),  # a directory that holds no head
     ]
     for path, message in cases:
         with pytest.raises(ModelLoadError, match=re.escape(message)) as e:

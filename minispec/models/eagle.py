@@ -28,6 +28,7 @@ from minispec.kernels.ggml import F32
 from minispec.layers.quant import GROUP, QUANTIZATIONS, PackedWeight, kernel_layout, linear, quantize
 from minispec.layers.rotary import interleave_rope_rows
 from minispec.models.errors import ModelLoadError
+from minispec.utils import one_line
 
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE1_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
@@ -323,7 +324,10 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 def load_head(path: str | Path, target_config) -> EagleHead:
     """An EAGLE-1 or EAGLE-3 head from a directory, checked against the target's config (one-line errors)."""
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"head checkpoint {path}: cannot read its config.json ({one_line(e)})") from None
     state = _read_weights(path)
     archs = raw.get("architectures") or []
     fc = state.get("fc.weight")
