@@ -235,6 +235,7 @@ def target_and_features(data_dirs: list[Path], features: str):
 
 def greedy_records(eval_data: Path) -> list[dict]:
     """An eval directory's greedy answers (temperature 0): the acceptance is measured on them alone."""
+    data_settings([eval_data])  # a directory that holds no head data says so
     recs = [r for r in load_records(eval_data) if r.get("temperature", 0.0) == 0]
     if not recs:
         raise ValueError(f"--eval-data {eval_data} holds no greedy answers, and acceptance is measured on greedy ones "
@@ -244,12 +245,12 @@ def greedy_records(eval_data: Path) -> list[dict]:
 
 def evaluate_head(path: Path, eval_data: Path, features: str, steps: int, batch_tokens: int = 4096) -> dict:
     """A saved head's held-out acceptance over `steps` positions (evaluate's figures), whatever it was trained with."""
+    recs = greedy_records(eval_data)  # before the target loads, so bad data fails at once
     target, cols, feature_layers = target_and_features([eval_data], features)
     head = init_head(path, target, feature_layers)
     t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
     t2d[head.draft_ids] = torch.arange(len(head.draft_ids))
-    return evaluate(head, target_embeddings(target), Batches(greedy_records(eval_data), batch_tokens, steps, t2d, cols, 0),
-                    steps)
+    return evaluate(head, target_embeddings(target), Batches(recs, batch_tokens, steps, t2d, cols, 0), steps)
 
 
 def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log=print) -> dict:
@@ -262,10 +263,10 @@ def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     data_dirs = [Path(d) for d in cfg.data.split(",")]
-    target, cols, feature_layers = target_and_features(data_dirs, cfg.features)
     t0 = time.perf_counter()
+    eval_recs = greedy_records(Path(cfg.eval_data))  # before the target loads, so bad data fails at once
+    target, cols, feature_layers = target_and_features(data_dirs, cfg.features)
     train_recs = load_records(data_dirs, cfg.max_tokens or None)
-    eval_recs = greedy_records(Path(cfg.eval_data))
     n_tokens = sum(len(r["topk_ids"]) for r in train_recs)
     log(f"head: {len(train_recs)} train answers ({n_tokens} tokens), {len(eval_recs)} eval answers "
         f"({sum(len(r['topk_ids']) for r in eval_recs)} tokens), loaded in {time.perf_counter() - t0:.0f} s")
