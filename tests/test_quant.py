@@ -46,7 +46,7 @@ def test_dequantize_matches_gguf(name):
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-@pytest.mark.parametrize("n,k", [(37, 96), (5, 160), (9, 576)])
+@pytest.mark.parametrize("n,k", [(37, 96), (5, 160), (9, 576), (32, 96)])  # 32: whole groups of 16 rows (AMX)
 @pytest.mark.parametrize("rows", ROWS)
 def test_packed_linear_equals_float32_layer(name, n, k, rows):
     """Packed layer == F.linear over the dequantised weight, rel tol 1e-5 (summation order only)."""
@@ -150,16 +150,22 @@ def test_one_block_table():
         {t: (f.block_bytes, f.block_values) for t, f in PACKED_TYPES.items()}
 
 
-@pytest.mark.parametrize("isa,flags", [("avx2", ["-mno-avx512f"]), ("portable", ["-mno-avx512f", "-mno-avx2", "-mno-fma"])])
+NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+
+
+@pytest.mark.parametrize("isa,flags", [("avx512", NO_AMX), ("avx2", ["-mno-avx512f"]),
+                                       ("portable", ["-mno-avx512f", "-mno-avx2", "-mno-fma"])])
 def test_narrower_builds_equal_float32_layer(isa, flags):
     """The paths this CPU does not take by default, built without its wider instructions (a second build, cached):
-    every block type and tile shape against F.linear over the dequantised weight, rel tol 1e-5."""
-    if ops() is None or ops().PACKED_ISA == "portable" or (isa == "avx2" and ops().PACKED_ISA == "avx2"):
+    every block type and tile shape against F.linear over the dequantised weight, rel tol 1e-5. avx512: the AVX-512
+    paths an AMX machine leaves for 9+ rows of x."""
+    if ops() is None or ops().PACKED_ISA == "portable" or (isa == "avx2" and ops().PACKED_ISA == "avx2") or \
+            (isa == "avx512" and not ops().packed_amx()):
         pytest.skip(f"this CPU's own build is the {isa} one (or none): the other tests run it")
     ext = build_cpp(f"cpu_{isa}", SOURCES, CFLAGS + flags, f"the {isa} C++ kernels")
-    assert ext is not None and ext.PACKED_ISA == isa
+    assert ext is not None and ext.PACKED_ISA == isa and not ext.packed_amx()
     for name in LAYOUTS:
-        w, ref = packed(name, 37, 96, seed=1)
+        w, ref = packed(name, 32, 96, seed=1)
         for rows in ROWS[:-1]:
             x = torch.randn(rows, 96)
             assert rel_err(ext.packed_linear(x, w.data, w.qtype, 96), F.linear(x, torch.from_numpy(ref))) < 1e-5, \
@@ -232,3 +238,68 @@ def test_split_kernel_every_run_and_tail(name, blocks, rows):
     scale = (d * q + m).view(13, -1)  # [N, K]
     err = (linear(x, w).double() - x.double() @ torch.from_numpy(ref).double().T).abs() / (x.double().abs() @ scale.T)
     assert float(err.max()) < 1e-5
+
+
+def amx_or_skip():
+    if ops() is None or not ops().packed_amx():
+        pytest.skip("no AMX tiles on this CPU (or MINISPEC_NO_AMX is set): the AVX-512 / AVX2 tests cover its layers")
+
+
+def layer64(w: PackedWeight, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 dequantised weight [n, k] and the scale of the kernels' rounding [n, k]: |d q| + |m| per value
+    (Q4_0: m = -8 d), since they compute d (q . x) + m sum(x) per block (Q8_0: |d q|)."""
+    raw = w.joined().data.view(n, k // 32, -1) if w.qtype in SPLIT_OF.values() else w.data.view(n, k // 32, -1)
+    d = raw[..., 0:2].contiguous().view(torch.float16).double()  # [N, G, 1]
+    if file_type(w.qtype) == int(T.Q8_0):
+        q = raw[..., 2:].contiguous().view(torch.int8).double()  # [N, G, 32]
+        return (d * q).view(n, k), (d * q).abs().view(n, k)
+    m = -8 * d if file_type(w.qtype) == int(T.Q4_0) else raw[..., 2:4].contiguous().view(torch.float16).double()
+    q = torch.cat([raw[..., -16:] & 15, raw[..., -16:] >> 4], -1).double()  # [N, G, 32]
+    return (d * q + m).view(n, k), ((d * q).abs() + m.abs()).view(n, k)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_0 split", "Q4_1 split"])
+@pytest.mark.parametrize("rows", [9, 16, 17, 33, 70, 258])
+@pytest.mark.parametrize("k", [32, 96, 576])
+def test_amx_tiles_equal_float64_layer(name, rows, k):
+    """The AMX path (9+ rows of x, whole groups of 16 weight rows): each x as three bf16 limbs against the bf16 codes,
+    accumulated in float32, against the float64 layer over gguf's dequantisation. Activations from 2^-99 to 1e6 with
+    exact zeros of both signs: rel tol 1e-5 of sum (|d q| + |m|) |x|. The first 8 rows hold one value each, whose
+    last limb carries about 2^-16 of it: one product and one sum, rel tol 1e-6 (a limb dropped is off by 2^-17 or more)."""
+    amx_or_skip()
+    n = 48
+    w, _ = packed(name, n, k, seed=rows + k)
+    g = torch.Generator().manual_seed(rows)
+    mags = torch.cat([torch.logspace(-29.5, 6, k - 2), torch.ones(2)])  # from 2^-98 (below 2^-100 the tiles refuse x)
+    signs = torch.randint(0, 2, (rows, k), generator=g) * 2 - 1
+    x = signs * (0.5 + torch.rand(rows, k, generator=g)) * mags[torch.randperm(k, generator=g)]
+    x[:, 0], x[1, 1] = 0.0, -0.0
+    x[:8] = 0.0
+    for r in range(8):  # every significand bit set: limbs of 8 bits each, the last about 2^-16 of x
+        x[r, (7 * r + 3) % k] = (-1) ** r * (2 - 2.0 ** -23) * 2.0 ** (5 * r - 20)
+    ref, scale = layer64(w, n, k)
+    got = ops().packed_linear(x, w.data, w.qtype, k).double()
+    err = (got - x.double() @ ref.T).abs() / (x.double().abs() @ scale.T).clamp_min(1e-300)
+    assert float(err[8:].max()) < 1e-5 and float(err[:8].max()) < 1e-6
+
+
+@pytest.mark.parametrize("case", ["tiny", "subnormal", "inf", "nan"])
+def test_amx_refuses_x_its_limbs_cannot_hold(case):
+    """x below 2^-100 (a limb would be subnormal, which the tiles read as 0), or not finite, goes to the AVX-512 path:
+    the float64 layer within rel tol 1e-5 for tiny and subnormal x (the tiles would be off by about 2^-16 for
+    x near 2^-120), and the same inf / nan as F.linear."""
+    amx_or_skip()
+    w, _ = packed("Q4_1 split", 32, 96, seed=3)
+    ref, scale = layer64(w, 32, 96)
+    x = torch.randn(12, 96, dtype=torch.float64) * 2.0 ** -120
+    if case == "subnormal":
+        x[3, 5] = 2.0 ** -140
+    elif case in ("inf", "nan"):
+        x = torch.randn(12, 96, dtype=torch.float64)
+        x[3, 5] = float(case)
+    got = ops().packed_linear(x.float(), w.data, w.qtype, 96).double()
+    expected = x.float().double() @ ref.T
+    if case in ("inf", "nan"):
+        assert torch.equal(got.isnan(), F.linear(x.float(), ref.float()).isnan()) and bool(got[3].isnan().any() or got[3].isinf().any())
+        return
+    assert float(((got - expected).abs() / (x.float().double().abs() @ scale.T)).max()) < 1e-5

@@ -6,7 +6,8 @@
 // layer computes either, per group, d * sum(q * x) + m * sum(x) (one activation row: the cheapest
 // per block) or x . (d * q + m) with the block dequantised once for several rows: the same real
 // number; only the rounding order differs from F.linear over the dequantised row. Three paths, chosen
-// at compile time: AVX-512 (16-float vectors, 32 registers for wider tiles), AVX2 + FMA, portable C++.
+// at compile time: AVX-512 (16-float vectors, 32 registers for wider tiles), AVX2 + FMA, portable C++; on
+// a CPU with AMX-BF16 the AVX-512 build also multiplies 9 or more rows of x through the AMX tiles.
 #include "cpu_ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -21,6 +22,12 @@
 #endif
 #if defined(MS_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define MS_AVX512 1
+#endif
+#if defined(MS_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MS_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstdlib>
 #endif
 
 namespace {
@@ -596,6 +603,193 @@ void block_rows_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t e
 }
 #endif
 
+#ifdef MS_AMX
+// AMX: rows of x against 16 packed weight rows at a time through the tiles, exact in float32.
+//
+// TDPBF16PS multiplies bf16 pairs exactly and accumulates in float32. A block's codes (Q4: 0-15, Q8_0: -128-127)
+// are exact in bf16, and a float32 x is exactly hi + mid + lo, three bf16 limbs of 8 significant bits each (hi: x
+// truncated to bf16, mid: the rest truncated, lo: what is left), while every nonzero limb is a normal number (the
+// tiles read subnormal bf16 as 0): x finite and |x| >= 2^-100, or 0; amx_x_tiles refuses any other x. So for
+// block g of weight row j, C[j][m] = q_g,j . (hi + mid + lo)_g,m = q . x in float32 with some summation order, and
+// the layer is sum_g d_g,j C_g[j][m] + sum_g m_g,j sum(x_g,m) as tile_dot_split computes it (Q4_0: m = -8 d).
+//
+// Tiles: 0 the A operand, 16 weight rows x 32 codes of one block as bf16; 1-3 the B operand, one limb each of up to
+// 16 rows of x in the pair order TDPBF16PS reads: row kp holds, for each row m of x, the dword of the limbs of
+// x[m][k_a(kp)] (low half) and x[m][k_b(kp)] (high half), the two values A's rows pair at words 2 kp and 2 kp + 1;
+// 4 the product C [16 weight rows, 16 rows of x]. Every tile is 16 rows of 64 bytes.
+
+// Rows of x from which packed_linear takes the tiles (amx_ready): below it the AVX-512 paths measured faster, since
+// a block's codes cost a store and a tile load on top of their unpacking (docs/experiments.md, eighteenth session).
+constexpr int64_t AMX_MIN_ROWS = 9;
+
+// Whether this process may use the tiles: Linux grants their state to a process that asks (once; without it the
+// first tile instruction faults). MINISPEC_NO_AMX=1 keeps the AVX-512 paths (to compare the two).
+bool amx_ready() {
+  static const bool ok = [] {
+    const char* off = std::getenv("MINISPEC_NO_AMX");
+    if (off && *off && std::strcmp(off, "0") != 0) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// The tile shapes above, loaded once per thread and call (a thread's tile configuration is its own).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16};
+};
+
+// Which values of a block A's row pairs at words 2 kp and 2 kp + 1: Q4 (a byte's two nibbles) codes kp and kp + 16,
+// Q8_0 (converted 16 at a time) codes 2 kp and 2 kp + 1.
+template <int64_t QT>
+constexpr bool PAIRS_HALVES = FT<QT> != Q8_0;
+
+// One block of a weight row as A's row: 32 bf16 codes in pair order (Q4_0's codes as 0-15: its -8 d is a minimum).
+template <int64_t QT>
+inline __m512i amx_codes(const uint8_t* codes) {
+  if constexpr (FT<QT> == Q8_0) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0-15: codes 0-15, 16-31: codes 16-31 (exact)
+  } else {
+    // bf16(c) for c = 0..15 (and 16 unused words): a 16-bit lane holding a code indexes it.
+    const __m512i table = _mm512_setr_epi32(0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0, 0x41104100, 0x41304120,
+                                            0x41504140, 0x41704160, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));  // byte kp a lane
+    // word 2 kp: the low nibble (code kp), word 2 kp + 1: the high one (code kp + 16)
+    const __m512i c = _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), _mm512_set1_epi32(0x000F000F));
+    return _mm512_permutexvar_epi16(c, table);
+  }
+}
+
+// A row's G scales d[g] and minima m[g] (Q4_0: -8 d; Q8_0: none) as floats, 16 blocks at a time: a split row holds
+// them in runs of float16, a file's row one in each block (gathered as dwords: a block holds 2 bytes past each).
+template <int64_t QT>
+inline void amx_scales(Blocks<QT> b, float* d, float* m) {
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32((int)GB<QT>));  // a file row's blocks, in bytes
+  for (int64_t g = 0; g < b.G; g += 16) {
+    const __mmask16 k = b.G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (b.G - g)) - 1);
+    auto halves = [&](const uint8_t* p) {  // the 16 float16 of blocks g.. from p (block g's)
+      return _mm512_cvtph_ps(Blocks<QT>::SPLIT
+          ? _mm256_maskz_loadu_epi16(k, p)
+          : _mm512_cvtepi32_epi16(_mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, at, p, 1)));
+    };
+    const __m512 dv = halves(b.scale(g));
+    _mm512_mask_storeu_ps(d + g, k, dv);
+    if constexpr (FT<QT> == Q4_1) _mm512_mask_storeu_ps(m + g, k, halves(b.minimum(g)));
+    if constexpr (FT<QT> == Q4_0) _mm512_mask_storeu_ps(m + g, k, _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f)));
+  }
+}
+
+// x's three limbs as B tiles, tile l of block g holding limb l of rows [0, mc) of x (stride ldx, mc <= 16) in its
+// columns m: xb[((3 g + l) 16 + kp) 16 + m] is the dword at pair kp; sxT[16 g + m] the block sums of x. Columns from mc
+// on are 0. False where a nonzero x is not finite or below 2^-100 in magnitude (a limb would be subnormal, or the
+// split undefined): the caller takes another path.
+template <int64_t QT>
+bool amx_x_tiles(const float* x, int64_t ldx, int64_t mc, int64_t G, uint32_t* xb, float* sxT) {
+  const __mmask16 unused = (__mmask16)(0xFFFF << mc);
+  const __m512i mask = _mm512_set1_epi32((int)0xFFFF0000u);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512 tiny = _mm512_set1_ps(std::ldexp(1.0f, -100)), inf = _mm512_set1_ps(INFINITY);
+  __mmask16 bad = 0;
+  for (int64_t i = 0; i < G * 3 * 16; i++) _mm512_mask_storeu_epi32(xb + 16 * i, unused, _mm512_setzero_si512());
+  for (int64_t g = 0; g < G; g++) _mm512_mask_storeu_ps(sxT + 16 * g, unused, _mm512_setzero_ps());
+  alignas(64) uint32_t limb[3][16];
+  for (int64_t m = 0; m < mc; m++)
+    for (int64_t g = 0; g < G; g++) {
+      const __m512 x0 = _mm512_loadu_ps(x + m * ldx + g * GROUP), x1 = _mm512_loadu_ps(x + m * ldx + g * GROUP + 16);
+      for (const __m512 v : {x0, x1}) {
+        const __m512 a = _mm512_abs_ps(v);
+        bad |= _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ) | (_mm512_cmp_ps_mask(a, tiny, _CMP_LT_OQ) &
+                                                           _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ));
+      }
+      sxT[16 * g + m] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+      const __m512 a = PAIRS_HALVES<QT> ? x0 : _mm512_permutex2var_ps(x0, even, x1);  // [16] x[k_a(kp)]
+      const __m512 b = PAIRS_HALVES<QT> ? x1 : _mm512_permutex2var_ps(x0, odd, x1);   // [16] x[k_b(kp)]
+      __m512i la[3], lb[3];
+      for (auto [v, l] : {std::pair<__m512, __m512i*>{a, la}, {b, lb}}) {
+        l[0] = _mm512_and_si512(_mm512_castps_si512(v), mask);
+        const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(l[0]));  // exact
+        l[1] = _mm512_and_si512(_mm512_castps_si512(r), mask);
+        l[2] = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(l[1])));  // exact, 8 significant bits
+      }
+      for (int l = 0; l < 3; l++) _mm512_store_si512(limb[l], _mm512_or_si512(_mm512_srli_epi32(la[l], 16), lb[l]));
+      for (int l = 0; l < 3; l++)
+        for (int kp = 0; kp < 16; kp++) xb[((3 * g + l) * 16 + kp) * 16 + m] = limb[l][kp];
+    }
+  return bad == 0;
+}
+
+// Weight rows [16 t, 16 t + 16) for t in [t0, t1) against one chunk of rows of x (mc of them) in amx_x_tiles' B
+// tiles: out[m * ldo + n] for m < mc. Each block's codes are unpacked once into A (tile 0); the three limbs' products
+// go into one C (tile 4), which is scaled by the rows' d into registers, where the minima's term is added too.
+template <int64_t QT>
+void amx_groups(const uint8_t* wd, int64_t wstride, int64_t G, int64_t t0, int64_t t1, const uint32_t* xb,
+                const float* sxT, int64_t mc, float* out, int64_t ldo) {
+  constexpr bool HAS_MIN = FT<QT> != Q8_0;
+  const TileConfig cfg;
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t abuf[16 * 32];  // [16 weight rows, 32 codes] bf16
+  alignas(64) float cbuf[16 * 16];     // [16 weight rows, 16 rows of x]
+  std::vector<float> scales(2 * 16 * G);
+  float *dsc = scales.data(), *msc = dsc + 16 * G;  // [16, G] each: d and the minimum (Q4_0: -8 d)
+  for (int64_t t = t0; t < t1; t++) {
+    const uint8_t* rows = wd + 16 * t * wstride;
+    for (int j = 0; j < 16; j++) amx_scales<QT>(Blocks<QT>{rows + j * wstride, G}, dsc + j * G, msc + j * G);
+    const Prefetch ahead(rows + 16 * wstride, 16 * wstride, G);  // the next group
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+      ahead.part(g);
+      for (int j = 0; j < 16; j++)
+        _mm512_store_si512(abuf + 32 * j, amx_codes<QT>(Blocks<QT>{rows + j * wstride, G}.codes(g)));
+      _tile_loadd(0, abuf, 64);
+      _tile_loadd(1, xb + (3 * g) * 256, 64);
+      _tile_loadd(2, xb + (3 * g + 1) * 256, 64);
+      _tile_loadd(3, xb + (3 * g + 2) * 256, 64);
+      _tile_zero(4);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(4, 0, 3);
+      _tile_stored(4, cbuf, 64);
+      const __m512 s = _mm512_loadu_ps(sxT + 16 * g);
+      for (int j = 0; j < 16; j++) {
+        acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(dsc[j * G + g]), _mm512_load_ps(cbuf + 16 * j), acc[j]);
+        if constexpr (HAS_MIN) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(msc[j * G + g]), s, acc[j]);
+      }
+    }
+    alignas(64) float res[16][16];  // [weight row, row of x]
+    for (int j = 0; j < 16; j++) _mm512_store_ps(res[j], acc[j]);
+    for (int64_t m = 0; m < mc; m++)
+      for (int j = 0; j < 16; j++) out[m * ldo + 16 * t + j] = res[j][m];
+  }
+  _tile_release();
+}
+
+// out [M, N] = x [M, G * 32] (stride G * 32) against N packed rows (N a multiple of 16) through the tiles, 16 rows of x
+// at a time; false (out untouched) where amx_x_tiles refuses x.
+template <int64_t QT>
+bool amx_linear(const float* x, int64_t M, int64_t G, const uint8_t* wd, int64_t wstride, int64_t N, float* out) {
+  const int64_t chunks = (M + 15) / 16, per_chunk = G * (3 * 256 + 16);  // dwords: B tiles, then sums
+  thread_local std::vector<uint32_t> buf;  // the calling thread's, kept between calls
+  if ((int64_t)buf.size() < chunks * per_chunk + 16) buf.resize(chunks * per_chunk + 16);
+  uint32_t* xb = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  auto rows = [&](int64_t c) { return std::min<int64_t>(16, M - 16 * c); };
+  auto sums = [&](int64_t c) { return reinterpret_cast<float*>(xb + c * per_chunk + G * 3 * 256); };
+  for (int64_t c = 0; c < chunks; c++)
+    if (!amx_x_tiles<QT>(x + 16 * c * G * GROUP, G * GROUP, rows(c), G, xb + c * per_chunk, sums(c))) return false;
+  at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t c = 0; c < chunks; c++)
+      amx_groups<QT>(wd, wstride, G, t0, t1, xb + c * per_chunk, sums(c), rows(c), out + 16 * c * N, N);
+  });
+  return true;
+}
+#endif
+
 // f(std::integral_constant<int64_t, QT>{}) for a block type QT (the SIMD paths); false for F16 / BF16.
 template <class F>
 bool with_block_type(int64_t qtype, F&& f) {
@@ -661,6 +855,14 @@ const int64_t PACKED_MAX_ROWS = 48;
 const bool PACKED_SPLIT = false;
 #endif
 
+bool packed_amx() {
+#if defined(MS_AMX)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
 std::vector<std::vector<int64_t>> block_formats() {
   std::vector<std::vector<int64_t>> out;
   for (const BlockFormat& f : BLOCK_FORMATS) out.push_back({f.type, f.bytes, f.values});
@@ -680,6 +882,16 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
   auto xpad = K == Kp ? x.contiguous() : torch::zeros({M, Kp}, x.options());
   if (K != Kp) xpad.narrow(1, 0, K).copy_(x);
   const float* xd = xpad.data_ptr<float>();
+#if defined(MS_AMX)
+  if (M >= AMX_MIN_ROWS && N % 16 == 0 && amx_ready()) {
+    auto out = torch::empty({M, N}, x.options());
+    bool done = false;
+    if (with_block_type(qtype, [&](auto qt) {
+          done = amx_linear<qt()>(xd, M, G, w.data_ptr<uint8_t>(), w.stride(0), N, out.data_ptr<float>());
+        }) && done)
+      return out;
+  }
+#endif
   // Up to SPLIT_MAX_ROWS rows of x against split rows: tile_dot_split, which also takes Q4_0's
   // -8 d through sx.
 #if defined(MS_AVX512)
