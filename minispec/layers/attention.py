@@ -89,7 +89,7 @@ class AttentionMetadata:
     @staticmethod
     def build(batch: ForwardBatch, freqs_cis: torch.Tensor, k_cache: torch.Tensor, groups: int) -> "AttentionMetadata":
         """For a forward over batch, writing into caches shaped like k_cache; groups = n_heads / n_kv_heads."""
-        write_index = (batch.write_slots * k_cache.shape[1] + batch.positions).view(-1)  # [B * L]
+        write_index = batch.positions.add(batch.write_slots, alpha=k_cache.shape[1]).view(-1)  # [B * L]
         fused = batch.input_ids.numel() <= FUSED_MAX_TOKENS and cpu.applies(k_cache)
         mask = None if fused else causal_mask(batch.positions, batch.max_ctx, groups)
         return AttentionMetadata(batch, freqs_cis, write_index, mask, fused)
