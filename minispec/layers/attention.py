@@ -22,6 +22,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [B, L] int64, position of each token within its request
     write_slots: torch.Tensor  # [B, L] int64, slot each token's K/V is written to (scratch slot for padding)
     read_slots: torch.Tensor  # [B] int64, slot each request attends over
+    last: torch.Tensor  # [B] int64, index of each request's last token in the flattened [B * L]
     max_ctx: int  # keys read per request: max(positions) + 1 over real tokens
     first_slot: int = -1  # read_slots[0] if the requests hold consecutive slots in order (read in place), else -1
 
@@ -29,22 +30,29 @@ class ForwardBatch:
     def build(slots: list[int], starts: list[int], queries: list[list[int]], scratch_slot: int, device) -> "ForwardBatch":
         """Request i feeds tokens queries[i] at positions starts[i].. into KV slot slots[i]."""
         num_reqs = len(queries)
-        lens = np.fromiter((len(q) for q in queries), dtype=np.int64, count=num_reqs)
-        max_q = int(lens.max())
-        ids = np.zeros((num_reqs, max_q), dtype=np.int64)  # [B, L]
-        pos = np.zeros((num_reqs, max_q), dtype=np.int64)  # [B, L]
-        write = np.full((num_reqs, max_q), scratch_slot, dtype=np.int64)  # [B, L]
+        lens = [len(q) for q in queries]
+        max_q = max(lens)
+        size = num_reqs * max_q
+        # every field in one buffer, made a tensor at once: a decode step's forward is mostly such small calls
+        buf = np.zeros(3 * size + 2 * num_reqs, dtype=np.int64)  # [3 * B * L + 2 * B]
+        ids, pos, write = buf[: 3 * size].reshape(3, num_reqs, max_q)  # [B, L] each
+        write.fill(scratch_slot)
         for i, q in enumerate(queries):
-            n = len(q)
+            n = lens[i]
             ids[i, :n] = q
-            pos[i, :n] = np.arange(starts[i], starts[i] + n)
+            pos[i, :n] = range(starts[i], starts[i] + n)
             write[i, :n] = slots[i]
+        buf[3 * size : 3 * size + num_reqs] = slots
+        buf[3 * size + num_reqs :] = np.arange(0, size, max_q) + lens - 1
+        t = torch.from_numpy(buf).to(device)
+        grid = t[: 3 * size].view(3, num_reqs, max_q)
         return ForwardBatch(
-            input_ids=torch.from_numpy(ids).to(device),
-            positions=torch.from_numpy(pos).to(device),
-            write_slots=torch.from_numpy(write).to(device),
-            read_slots=torch.tensor(slots, dtype=torch.int64, device=device),
-            max_ctx=int((np.asarray(starts, dtype=np.int64) + lens).max()),
+            input_ids=grid[0],
+            positions=grid[1],
+            write_slots=grid[2],
+            read_slots=t[3 * size : 3 * size + num_reqs],
+            last=t[3 * size + num_reqs :],
+            max_ctx=max(s + n for s, n in zip(starts, lens)),
             first_slot=slots[0] if list(slots) == list(range(slots[0], slots[0] + num_reqs)) else -1,
         )
 
@@ -81,7 +89,7 @@ class AttentionMetadata:
     @staticmethod
     def build(batch: ForwardBatch, freqs_cis: torch.Tensor, k_cache: torch.Tensor, groups: int) -> "AttentionMetadata":
         """For a forward over batch, writing into caches shaped like k_cache; groups = n_heads / n_kv_heads."""
-        write_index = (batch.write_slots * k_cache.shape[1] + batch.positions).view(-1)  # [B * L]
+        write_index = batch.positions.add(batch.write_slots, alpha=k_cache.shape[1]).view(-1)  # [B * L]
         fused = batch.input_ids.numel() <= FUSED_MAX_TOKENS and cpu.applies(k_cache)
         mask = None if fused else causal_mask(batch.positions, batch.max_ctx, groups)
         return AttentionMetadata(batch, freqs_cis, write_index, mask, fused)

@@ -66,7 +66,7 @@ class RotaryEmbedding(nn.Module):
             size = max(n, 2 * self.table.shape[0], 256)
             angles = torch.arange(size, dtype=torch.float32, device=self.inv_freq.device).unsqueeze(-1) * self.inv_freq
             self.table = torch.polar(torch.full_like(angles, self.attention_scaling), angles)  # [size, head_dim / 2]
-        return self.table[positions].unsqueeze(2)
+        return self.table.index_select(0, positions.reshape(-1)).view(*positions.shape, 1, -1)
 
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

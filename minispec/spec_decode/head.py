@@ -47,6 +47,7 @@ class HeadRunner:
                           device=device)
         self.rotary = RotaryEmbedding(SimpleNamespace(rope_theta=cfg.rope_theta), cfg.head_dim, device=device)
         self.draft_ids = self.weights.draft_ids.to(device)  # [draft_vocab] target id of each row
+        self.host_draft_ids = self.weights.draft_ids.cpu().numpy()  # [draft_vocab] the same, for host bookkeeping
         self.identity_vocab = bool((self.draft_ids == torch.arange(target_model.vocab_size, device=device)).all()) \
             if cfg.draft_vocab_size == target_model.vocab_size else False
         self.forward_s = 0.0
@@ -67,29 +68,29 @@ class HeadRunner:
         B, L = batch.input_ids.shape
         lens = [len(tokens[i]) for i in order]
         if all(n == L for n in lens):  # no padding (batch 1, or every request feeding as many positions)
-            feats = torch.stack([features[i] for i in order]).float()  # [B, L, F]
+            feats = torch.cat([features[i] for i in order]).float()  # [B * L, F]
         else:
             feats = torch.zeros(B, L, features[0].shape[-1], dtype=torch.float32, device=self.device)  # [B, L, F]
             for b, i in enumerate(order):
                 feats[b, : lens[b]] = features[i]
+            feats = feats.view(B * L, -1)
         w, cfg = self.weights, self.cfg
         meta = AttentionMetadata.build(batch, self.rotary(batch.positions, batch.max_ctx), self.kv.k[0],
                                        cfg.num_attention_heads // cfg.num_key_value_heads)
-        last = torch.tensor([b * L + lens[b] - 1 for b in range(B)], device=self.device)  # [B] only these go on
         if meta.fused and (args := self.cpu_args()):  # the steps below in one C++ call, same kernels
             logits, out = cpu.ops().head_layer(
-                batch.input_ids.view(-1), feats.view(B * L, -1), fused, *args, self.kv.k[0], self.kv.v[0],
-                torch.view_as_real(meta.freqs_cis), meta.write_index, batch.positions, batch.read_slots, last,
+                batch.input_ids.view(-1), feats, fused, *args, self.kv.k[0], self.kv.v[0],
+                torch.view_as_real(meta.freqs_cis), meta.write_index, batch.positions, batch.read_slots, batch.last,
                 cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim ** -0.5, cfg.rms_norm_eps,
             )  # [B, draft_vocab], [B, H]
         else:
-            hidden = w.fuse(feats) if fused else feats  # [B, L, H]
+            hidden = (w.fuse(feats) if fused else feats).view(B, L, -1)  # [B, L, H]
             emb = self.target.embed_tokens(batch.input_ids).float()  # [B, L, H]
             x, residual = w.attention_input(emb, hidden)
             qkv = linear(x, w.qkv)
             attn = attention(qkv.contiguous(), meta, self.kv.k[0], self.kv.v[0], cfg.num_attention_heads)
-            attn = attn.reshape(B * L, -1).index_select(0, last)
-            out = w.layer_output(attn, residual.reshape(B * L, -1).index_select(0, last))  # [B, H]
+            attn = attn.reshape(B * L, -1).index_select(0, batch.last)
+            out = w.layer_output(attn, residual.reshape(B * L, -1).index_select(0, batch.last))  # [B, H]
             logits = w.logits(out, lambda h: self.target.compute_logits(h))
         if order != list(range(len(order))):  # back to request order
             inv = torch.empty(len(order), dtype=torch.long)
@@ -230,13 +231,13 @@ class HeadProposer:
             else:
                 cache.write_subset(rows, j, ours, self.runner.draft_ids)
             if greedy:  # the argmax over the draft vocabulary's rows: a sixth of the full row's work
-                tok = self.runner.draft_ids[greedy_tokens(logits)[0]]
+                drafts[:, j] = self.runner.host_draft_ids[greedy_tokens(logits)[0].cpu().numpy()]
             else:  # drawn from the full row, as the rejection sampler recomputes q from the cache
                 tok = draw_drafts(self.runner.full_vocab(logits, self.vocab_size), sampling, u[:, j], coupled[j])
-            drafts[:, j] = tok.cpu().numpy()
+                drafts[:, j] = tok.cpu().numpy()
             starts = [s + len(t) for s, t in zip(starts, tokens)]
             tokens = [[int(t)] for t in drafts[:, j]]
-            feats = list(hidden.unsqueeze(1))
+            feats = hidden.split(1)  # [1, H] each
             fused = False
         for r in reqs:
             r.num_draft_computed = r.num_computed  # true entries below; the drafts' are overwritten next time
