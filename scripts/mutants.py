@@ -3,7 +3,8 @@
     python scripts/mutants.py            # every mutant
     python scripts/mutants.py NAME ...   # some of them (--list names them)
 
-Each mutant is one exact source edit (old text -> new text in one file) and the few tests that should catch it.
+Each mutant is one exact source edit (old text -> new text in one file) and the few tests that should catch it
+(the kernel mutants are for the AVX-512 build; the AMX ones are listed only on a CPU with AMX).
 The repository (tracked and untracked, not ignored files) is copied once to a temporary directory; each mutant
 is applied there, its tests run (pytest -x -q, TRITON_INTERPRET=1), and the file is restored. The working
 tree is never modified. A mutant is killed when its tests fail. Before anything runs, every edit must apply
@@ -150,6 +151,15 @@ MUTANTS = [
            "    for (int64_t g = 4 * runs; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)",
            "    for (int64_t g = G; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)"),
       ]),
+    # ---- the AMX tiles (packed_cpu.cpp, 9+ rows of x): only where the CPU has them, else their tests skip
+    *([Mutant("AMX: x's last bf16 limb dropped", "minispec/kernels/packed_cpu.cpp",
+              "        l[2] = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(l[1])));  // exact, 8 significant bits",
+              "        l[2] = _mm512_setzero_si512();",
+              ("tests/test_quant.py", "-k", "amx_tiles_equal")),
+       Mutant("AMX: x below 2^-100 (subnormal limbs) not refused", "minispec/kernels/packed_cpu.cpp",
+              "_mm512_set1_ps(std::ldexp(1.0f, -100))", "_mm512_set1_ps(std::ldexp(1.0f, -149))",
+              ("tests/test_quant.py", "-k", "amx_refuses"))]
+      if "amx_bf16" in open("/proc/cpuinfo").read() else []),
 ]
 
 
