@@ -201,6 +201,13 @@ def test_adaptive_tracks_each_request():
     y = _fake_request("y")
     assert not never.can_pay(never.forward_costs(1)) and off.can_pay(off.forward_costs(1))
     assert [never([y])[0] for _ in range(21)] == [0] * 21
+    # Nor where only drafts accepted more often than probe_alpha could: 4 drafts pay at alpha 1 (5 tokens for
+    # 4.8 steps), none at 0.9 (4.1 tokens at best for k = 4, 1.9 for 2.2 steps at k = 1).
+    costly = [1.0, 2.2, 3.1, 3.9, 4.8]
+    assert AdaptiveK(4, verify_costs=costly, probe_alpha=1.0).can_pay(np.array(costly))
+    rare = AdaptiveK(4, verify_costs=costly, probe_every=3, prior_alpha=0.0)
+    z = _fake_request("z")
+    assert not rare.can_pay(rare.forward_costs(1)) and [rare([z])[0] for _ in range(21)] == [0] * 21
     # A new request starts from the pooled acceptance of the requests seen so far.
     assert off.prior() == pytest.approx(0.0) and off.alpha("new") == pytest.approx(0.0)
     assert pol.prior() == pytest.approx(pol.pool[0] / pol.pool[1]) and 0.0 < pol.prior() < 1.0

@@ -25,8 +25,10 @@ unit cost, sum_i E[tokens_i | k] / cost_b(k), and k = 0 (speculation off) unless
 decoding (b tokens per unit) by the factor `margin`. While off, the batch drafts one token after
 `probe_every` steps so the acceptance estimates can recover; each probe that leaves it off doubles
 the wait (up to 8 * probe_every), so a workload where drafting never pays spends little on probes. Where
-the forward costs alone rule drafting out even if every draft were accepted (a large batch on a CPU,
-whose verification is compute-bound), there is no probe: it could learn nothing.
+the forward costs alone rule drafting out even at acceptance probe_alpha (a large batch on a CPU, whose
+verification is compute-bound), there is no probe: it could only find that drafting does not pay. At
+probe_alpha 1 the 2-core Intel AMX kind probed at batch 16 (a 4-draft step there costs 4.8 plain steps, 5
+tokens if all were accepted) and the shipped head ran 0.90x target-only; at 0.9 it does not probe there.
 
 alpha is estimated per request from its own verifications, forgetting old ones exponentially.
 A verification of n drafts that accepted a of them is a geometric run truncated at n: it saw
@@ -141,8 +143,8 @@ class AdaptiveK(KPolicy):
     k_max: the engine's num_speculative_tokens. draft_cost: c, draft cost per drafted token over a
     target decode step. verify_costs: v[0..k_max] (v[0] = 1), or None for free verification
     (v[k] = 1). cost_model: batch_size -> (draft_cost, verify_costs), used instead of the fixed pair when
-    given. overhead_decay: how fast the measured step overhead forgets old steps. See the module
-    docstring.
+    given. overhead_decay: how fast the measured step overhead forgets old steps. probe_alpha: no probes where
+    drafting could not pay even at this acceptance. See the module docstring.
     """
 
     observes_steps = True
@@ -160,11 +162,12 @@ class AdaptiveK(KPolicy):
         cost_model=None,
         overhead_decay: float = 0.9,
         pool_decay: float = 0.95,
+        probe_alpha: float = 0.9,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
         for name, value in (("decay", decay), ("overhead_decay", overhead_decay), ("pool_decay", pool_decay),
-                            ("prior_alpha", prior_alpha)):
+                            ("prior_alpha", prior_alpha), ("probe_alpha", probe_alpha)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
         if prior_weight <= 0:
@@ -178,6 +181,7 @@ class AdaptiveK(KPolicy):
         self.prior_weight = prior_weight
         self.margin = margin
         self.probe_every = probe_every
+        self.probe_alpha = probe_alpha  # the acceptance at which drafting must be able to pay for a probe
         self.probe_gap = probe_every  # steps off before the next probe (doubles after each probe that stays off)
         self.pool_decay = pool_decay
         self.pool = np.zeros(2)  # decayed (successes, trials) of every request's observations
@@ -222,9 +226,9 @@ class AdaptiveK(KPolicy):
         return costs
 
     def can_pay(self, forward_costs: np.ndarray) -> bool:
-        """Whether drafting could beat plain decoding at these forward costs [k_max + 1] if every draft were
-        accepted; where it cannot, a probe learns nothing."""
-        return self._best_k(np.ones(1), forward_costs) > 0
+        """Whether drafting could beat plain decoding at these forward costs [k_max + 1] at acceptance probe_alpha;
+        where it cannot, a probe finds nothing worth its step."""
+        return self._best_k(np.full(1, self.probe_alpha), forward_costs) > 0
 
     def observe_step(self, batch_size: int, speculative: bool, step_s: float, forward_s: float) -> None:
         """Engine hook, once per step: its wall time and the part of it spent in model forwards."""
