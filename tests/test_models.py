@@ -92,7 +92,8 @@ def test_runner_splits_a_long_query_out_of_short_ones(tiny):
 
     assert length_groups([5] * 10 + [400]) == [list(range(10)), [10]]
     assert length_groups([3, 1, 2]) == [[1, 2, 0]] and length_groups([]) == []
-    assert all(len(length_groups(lens)) == 1 for lens in ([1] * 64, [5] * 16, [30, 40, 50]))
+    assert all(len(length_groups(lens)) == 1 for lens in ([1] * 64, [5] * 16, [30, 40, 50], [1, 2, 2, 6]))
+    assert length_groups([1, 1, 1, 44]) == [[0, 1, 2], [3]]  # a prompt beside decodes: not 129 padded positions
     _, model = tiny
     queries = [prompt(300, 6), prompt(1, 7), prompt(2, 8), prompt(290, 9)]
     runner = ModelRunner(model, 4, 320, dtype=torch.float32, device="cpu")
