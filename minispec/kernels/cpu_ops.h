@@ -35,7 +35,7 @@ extern const char* const PACKED_ISA;
 extern const int64_t PACKED_MAX_ROWS;
 // Whether the one-row kernel reads Q4_0 / Q4_1 rows fastest split (layers/quant.py's kernel_layout).
 extern const bool PACKED_SPLIT;
-// Whether packed_linear takes the AMX tiles for 2 or more rows of x: built for a CPU with AMX-BF16, the tile state
+// Whether packed_linear takes the AMX tiles for 9 or more rows of x: built for a CPU with AMX-BF16, the tile state
 // granted by the kernel, MINISPEC_NO_AMX unset.
 bool packed_amx();
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
