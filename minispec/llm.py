@@ -391,13 +391,14 @@ class LLM:
 def resolve_draft(target, draft, draft_quantization: str | None, adaptive_k: bool | None, k_policy
                   ) -> tuple[object, str | None, bool]:
     """(draft, draft_quantization, adaptive_k) with draft="auto" replaced by the head DRAFT_FOR_TARGET names for the
-    target (None where it names nothing; LLM then measures whether it pays), and adaptive_k's None by its default:
+    target, by its alias or a LoadedModel's name (None where it names nothing; LLM then measures whether it pays), and adaptive_k's None by its default:
     on for "auto", else off."""
     if k_policy is not None and adaptive_k:
         raise ValueError("give adaptive_k=True or a k_policy, not both")
     if draft != "auto":
         return draft, draft_quantization, bool(adaptive_k)
-    named, quantization = DRAFT_FOR_TARGET.get(target.lower(), (None, None)) if isinstance(target, str) else (None, None)
+    name = target if isinstance(target, str) else target.name  # a LoadedModel: the alias it was loaded by
+    named, quantization = DRAFT_FOR_TARGET.get(name.lower(), (None, None))
     adaptive = k_policy is None if adaptive_k is None else adaptive_k
     return named, quantization if draft_quantization is None else draft_quantization, bool(adaptive)
 

@@ -274,6 +274,8 @@ def test_auto_takes_the_head_where_it_is_predicted_to_pay(tmp_path, monkeypatch,
     assert isinstance(llm.engine.proposer, HeadProposer) == pays
     assert isinstance(llm.engine.k_policy, AdaptiveK) == pays
     assert ("speculating" if pays else "the target runs alone") in llm.auto_draft
+    loaded = LLM(target, max_num_seqs=2)  # an already-loaded target: "auto" looks up its name, as for the spec
+    assert isinstance(loaded.engine.proposer, HeadProposer) == pays and loaded.auto_draft == llm.auto_draft
     prompts = [[5, 6, 7], list(range(30, 50))]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     ref = LLM(target, draft=None).generate(prompts, sp)
