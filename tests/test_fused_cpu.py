@@ -71,6 +71,7 @@ def test_silu_mul(shape):
     ([0], [40], [1]),  # batch-1 decode
     ([1], [7], [3]),  # a verify of 2 drafts
     ([2, 0], [13, 0], [2, 4]),  # slots out of order, a fresh request, padding (8 tokens)
+    ([1, 2], [0, 5], [24, 17]),  # a prompt beside a prefill chunk: 48 tokens, the most the fused path takes on AVX2
 ])
 def test_rope_cache_attend(n_heads, n_kv, head_dim, slots, starts, lens):
     """RoPE + cache write + attention: the fused kernel against the torch path (rope, index_copy_, SDPA)."""

@@ -222,11 +222,16 @@ def test_smollm2_alias_matches_transformers(smollm2):
     assert ours[-1].argmax().item() == ref[-1].argmax().item()
 
 
+@pytest.mark.parametrize("fused_limit", [16, None])
 @pytest.mark.parametrize("kind", ["dense", "Q4_1", "Q8_0"])
-def test_decode_layers_equals_layer_by_layer(kind, tmp_path):
+def test_decode_layers_equals_layer_by_layer(kind, fused_limit, tmp_path, monkeypatch):
     """kernels/cpu_ops.cpp's decode_layers (every layer in one C++ call) gives the same floats as the
-    op-by-op Python path (torch.equal): decode (1 token), verify (5), a padded batch (2 x 3) and 2 x 8; and so do
-    the hidden states a draft head reads (capture_layers: the embedding, a middle layer's input, the final output)."""
+    op-by-op Python path (torch.equal): a prefill of 2 x 20 tokens (SDPA's path under a limit of 16 fused tokens, the
+    fused one under the default), decode (1 token), verify (5), a padded batch (2 x 3) and 2 x 8; and so do the
+    hidden states a draft head reads (capture_layers: the embedding, a middle layer's input, the final output)."""
+    import minispec.layers.attention as attention_mod
+    if fused_limit is not None:
+        monkeypatch.setattr(attention_mod, "FUSED_MAX_TOKENS", fused_limit)
     if kind == "dense":
         path = make_tiny_model_dir(tmp_path, attention_bias=True, mlp_bias=True, seed=4)
     else:
@@ -245,11 +250,11 @@ def test_decode_layers_equals_layer_by_layer(kind, tmp_path):
         def step(*args):
             out.extend(run(model, kv, *args))
             out.append(model.captured.clone())
-        step([0, 1], [0, 0], [prompt(12, 1), prompt(20, 2)])  # prefill (torch path)
+        step([0, 1], [0, 0], [prompt(12, 1), prompt(20, 2)])  # prefill: 40 tokens
         step([0], [12], [prompt(1, 3)])
         step([1], [20], [prompt(5, 4)])
         step([0, 1], [13, 25], [prompt(3, 5), prompt(2, 6)])
-        step([0, 1], [16, 27], [prompt(8, 7), prompt(8, 8)])  # 16 tokens: FUSED_MAX_TOKENS
+        step([0, 1], [16, 27], [prompt(8, 7), prompt(8, 8)])  # 16 tokens
         runs.append(out)
     for a, b in zip(*runs):
         assert torch.equal(a, b)

@@ -70,10 +70,18 @@ def causal_mask(positions: torch.Tensor, max_ctx: int, groups: int = 1) -> torch
     return mask.unsqueeze(1).repeat(1, 1, groups, 1)
 
 
-# Forwards of up to this many tokens (B * L) take the fused C++ kernel on CPU (and decode_layers):
-# decode up to batch 16 and small verifications; longer ones take SDPA's blocked matmuls
-# (docs/decode-step-profile.md).
-FUSED_MAX_TOKENS = 16
+# Forwards of up to this many tokens (B * L) take the fused C++ kernels on CPU (rope_cache_attend, and the whole
+# forward in one call: decode_layers, head_layer), and at most the rows the packed kernels take before a long
+# prefill goes to a GEMM (PACKED_MAX_ROWS: 256 with AVX-512, 48 else); longer ones take SDPA's blocked matmuls
+# op by op. Was 16: on the Intel AMX kind 4x5 / 16x2 / 4x16 steps ran 22-26 / 26 / 15 % faster at 256, a 44-token
+# prompt's prefill 18 % (docs/experiments.md, nineteenth session).
+FUSED_MAX_TOKENS = 256
+
+
+def fused_max_tokens() -> int:
+    """The most tokens a forward may have to take the fused kernels here (0 without the C++ module)."""
+    ext = cpu.ops()
+    return 0 if ext is None else min(FUSED_MAX_TOKENS, ext.PACKED_MAX_ROWS)
 
 
 @dataclass(slots=True)
@@ -90,7 +98,7 @@ class AttentionMetadata:
     def build(batch: ForwardBatch, freqs_cis: torch.Tensor, k_cache: torch.Tensor, groups: int) -> "AttentionMetadata":
         """For a forward over batch, writing into caches shaped like k_cache; groups = n_heads / n_kv_heads."""
         write_index = batch.positions.add(batch.write_slots, alpha=k_cache.shape[1]).view(-1)  # [B * L]
-        fused = batch.input_ids.numel() <= FUSED_MAX_TOKENS and cpu.applies(k_cache)
+        fused = batch.input_ids.numel() <= fused_max_tokens() and cpu.applies(k_cache)
         mask = None if fused else causal_mask(batch.positions, batch.max_ctx, groups)
         return AttentionMetadata(batch, freqs_cis, write_index, mask, fused)
 

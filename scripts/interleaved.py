@@ -1,0 +1,88 @@
+"""LLM configurations against each other, alternated in one process: a speed ratio that machine noise moves less.
+
+    python scripts/interleaved.py --batch-size 16 --rounds 6                      # LLM() against LLM(draft=None)
+    python scripts/interleaved.py --variants "target capture default" --batch-size 4
+
+Each round runs every variant once on the bench's eval prompts (greedy, max_tokens new tokens each, the chat
+template) over one loaded target; prints each round's tok/s and each variant's median ratio to the first.
+Variants: default (LLM()), target (draft=None), capture (the default's head attached, k always 0: the cost of
+capturing its states), k1 / k2 (the head at a fixed k). "default:prior_weight=8,margin=1.05" is the default with those
+AdaptiveK attributes set after it is built.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from minispec.bench import load_prompt_texts
+from minispec.llm import DEFAULT_TARGET, LLM
+from minispec.models.loader import load_model
+from minispec.sampling_params import SamplingParams
+
+
+def build(name: str, target, b: int) -> LLM:
+    """The LLM a variant names, over the loaded target."""
+    if name.startswith("default:"):
+        llm = LLM(target, max_num_seqs=b)
+        for item in name.split(":", 1)[1].split(","):
+            key, value = item.split("=")
+            if not hasattr(llm.engine.k_policy, key):
+                raise SystemExit(f"{name}: the default's k policy has no attribute {key!r}")
+            setattr(llm.engine.k_policy, key, float(value))
+        return llm
+    if name == "default":
+        return LLM(target, max_num_seqs=b)
+    if name == "target":
+        return LLM(target, draft=None, max_num_seqs=b)
+    if name == "capture":
+        return LLM(target, draft="smollm2-135m-instruct-eagle3", draft_quantization="int8", max_num_seqs=b,
+                   k_policy=lambda reqs: [0] * len(reqs))
+    if name in ("k1", "k2", "k3", "k4"):
+        return LLM(target, draft="smollm2-135m-instruct-eagle3", draft_quantization="int8", max_num_seqs=b,
+                   num_speculative_tokens=int(name[1]))
+    raise SystemExit(f"unknown variant {name!r}: default, target, capture, k1..k4")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="target,default", help="space-separated; ratios are to the first")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--stop-at-eos", action="store_true", help="end at EOS (default: ignore_eos, equal work)")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_model(DEFAULT_TARGET, dtype=torch.float32, device="cpu")
+    names = args.variants.split()
+    llms = {n: build(n, target, args.batch_size) for n in names}
+    for n, llm in llms.items():
+        if getattr(llm, "auto_draft", None):
+            print(f"{n}: auto_draft {llm.auto_draft}")
+    prompts, _ = load_prompt_texts(args.num_prompts)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
+    for llm in llms.values():  # warm-up
+        llm.generate(prompts[:2], params, use_chat_template=True)
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        line = []
+        for n in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            outs = llms[n].generate(prompts, params, use_chat_template=True)
+            dt = time.perf_counter() - t0
+            rates[n].append(sum(len(o.token_ids) for o in outs) / dt)
+            line.append(f"{n} {rates[n][-1]:.1f}")
+        print(f"round {r + 1}: " + ", ".join(line) + " tok/s", flush=True)
+    base = names[0]
+    for n in names[1:]:
+        ratios = [a / b for a, b in zip(rates[n], rates[base])]
+        print(f"{n} / {base}: median {statistics.median(ratios):.3f}x (rounds {min(ratios):.3f}-{max(ratios):.3f}),"
+              f" batch {args.batch_size}")
+
+
+if __name__ == "__main__":
+    main()
