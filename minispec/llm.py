@@ -391,8 +391,8 @@ class LLM:
 def resolve_draft(target, draft, draft_quantization: str | None, adaptive_k: bool | None, k_policy
                   ) -> tuple[object, str | None, bool]:
     """(draft, draft_quantization, adaptive_k) with draft="auto" replaced by the head DRAFT_FOR_TARGET names for the
-    target, by its alias or a LoadedModel's name (None where it names nothing; LLM then measures whether it pays), and adaptive_k's None by its default:
-    on for "auto", else off."""
+    target, by its alias or a LoadedModel's name (None where it names nothing; LLM then measures whether it pays),
+    and adaptive_k's None by its default: on for "auto", else off."""
     if k_policy is not None and adaptive_k:
         raise ValueError("give adaptive_k=True or a k_policy, not both")
     if draft != "auto":
