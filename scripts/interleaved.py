@@ -4,10 +4,10 @@
     python scripts/interleaved.py --variants "target capture default" --batch-size 4
 
 Each round runs every variant once on the bench's eval prompts (greedy, max_tokens new tokens each, the chat
-template) over one loaded target; prints each round's tok/s and each variant's median ratio to the first.
+template; greedy unless --temperature) over one loaded target; prints each round's tok/s and each variant's median ratio to the first.
 Variants: default (LLM()), target (draft=None), capture (the default's head attached, k always 0: the cost of
-capturing its states), k1 / k2 (the head at a fixed k). "default:prior_weight=8,margin=1.05" is the default with those
-AdaptiveK attributes set after it is built.
+capturing its states), k1 / k2 (the head at a fixed k). "default:prior_weight=8,k=2" is the default with
+those attributes of its k policy (AdaptiveK) or proposer set after it is built.
 """
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ def build(name: str, target, b: int) -> LLM:
         llm = LLM(target, max_num_seqs=b)
         for item in name.split(":", 1)[1].split(","):
             key, value = item.split("=")
-            if not hasattr(llm.engine.k_policy, key):
-                raise SystemExit(f"{name}: the default's k policy has no attribute {key!r}")
-            setattr(llm.engine.k_policy, key, float(value))
+            owner = next((o for o in (llm.engine.k_policy, llm.engine.proposer) if hasattr(o, key)), None)
+            if owner is None:
+                raise SystemExit(f"{name}: neither the default's k policy nor its proposer has an attribute {key!r}")
+            setattr(owner, key, None if value == "None" else int(value) if value.isdigit() else float(value))
         return llm
     if name == "default":
         return LLM(target, max_num_seqs=b)
@@ -54,6 +55,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--stop-at-eos", action="store_true", help="end at EOS (default: ignore_eos, equal work)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=None, help="seed every request (sampled: coupled verification)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -64,7 +67,8 @@ def main() -> None:
         if getattr(llm, "auto_draft", None):
             print(f"{n}: auto_draft {llm.auto_draft}")
     prompts, _ = load_prompt_texts(args.num_prompts)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos,
+                            seed=args.seed)
     for llm in llms.values():  # warm-up
         llm.generate(prompts[:2], params, use_chat_template=True)
     rates: dict[str, list[float]] = {n: [] for n in names}
