@@ -3,8 +3,9 @@
     python scripts/interleaved.py --batch-size 16 --rounds 6                      # LLM() against LLM(draft=None)
     python scripts/interleaved.py --variants "target capture default" --batch-size 4
 
-Each round runs every variant once on the bench's eval prompts (greedy, max_tokens new tokens each, the chat
-template; greedy unless --temperature) over one loaded target; prints each round's tok/s and each variant's median ratio to the first.
+Each round runs every variant once on the bench's eval prompts (max_tokens new tokens each, the chat template,
+greedy unless --temperature) over one loaded target; prints each round's tok/s and each variant's median ratio to
+the first.
 Variants: default (LLM()), target (draft=None), capture (the default's head attached, k always 0: the cost of
 capturing its states), k1 / k2 (the head at a fixed k). "default:prior_weight=8,k=2" is the default with
 those attributes of its k policy (AdaptiveK) or proposer set after it is built.
