@@ -7,8 +7,8 @@ Each round runs every variant once on the bench's eval prompts (max_tokens new t
 greedy unless --temperature) over one loaded target; prints each round's tok/s and each variant's median ratio to
 the first.
 Variants: default (LLM()), target (draft=None), capture (the default's head attached, k always 0: the cost of
-capturing its states), k1 / k2 (the head at a fixed k). "default:prior_weight=8,k=2" is the default with
-those attributes of its k policy (AdaptiveK) or proposer set after it is built.
+capturing its states), k1 .. k4 (the head at a fixed k; k2@int4 with the head at int4). "default:prior_weight=8,k=2"
+is the default with those attributes of its k policy (AdaptiveK) or proposer set after it is built.
 """
 from __future__ import annotations
 
@@ -42,10 +42,11 @@ def build(name: str, target, b: int) -> LLM:
     if name == "capture":
         return LLM(target, draft="smollm2-135m-instruct-eagle3", draft_quantization="int8", max_num_seqs=b,
                    k_policy=lambda reqs: [0] * len(reqs))
-    if name in ("k1", "k2", "k3", "k4"):
-        return LLM(target, draft="smollm2-135m-instruct-eagle3", draft_quantization="int8", max_num_seqs=b,
-                   num_speculative_tokens=int(name[1]))
-    raise SystemExit(f"unknown variant {name!r}: default, target, capture, k1..k4")
+    k, _, quant = name.partition("@")
+    if k in ("k1", "k2", "k3", "k4"):
+        return LLM(target, draft="smollm2-135m-instruct-eagle3", draft_quantization=quant or "int8", max_num_seqs=b,
+                   num_speculative_tokens=int(k[1]))
+    raise SystemExit(f"unknown variant {name!r}: default, target, capture, k1..k4 (k2@int4: the head at int4)")
 
 
 def main() -> None:
