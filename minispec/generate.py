@@ -217,4 +217,6 @@ def run(args, parser, prompts: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from minispec.distributed import exit_process
+
+    exit_process(main())

@@ -72,4 +72,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from minispec.distributed import exit_process
+
+    exit_process(main())
