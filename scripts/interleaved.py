@@ -7,8 +7,9 @@ Each round runs every variant once on the bench's eval prompts (max_tokens new t
 greedy unless --temperature) over one loaded target; prints each round's tok/s and each variant's median ratio to
 the first.
 Variants: default (LLM()), target (draft=None), capture (the default's head attached, k always 0: the cost of
-capturing its states), k1 .. k4 (the head at a fixed k; k2@int4 with the head at int4). "default:prior_weight=8,k=2"
-is the default with those attributes of its k policy (AdaptiveK) or proposer set after it is built.
+capturing its states), k1 .. k4 (the head at a fixed k; k2@int4 with the head at int4).
+"default:prior_weight=8,probe_every=16" is the default with those attributes of its k policy (AdaptiveK) or proposer
+set after it is built.
 """
 from __future__ import annotations
 
@@ -26,17 +27,16 @@ from minispec.sampling_params import SamplingParams
 
 def build(name: str, target, b: int) -> LLM:
     """The LLM a variant names, over the loaded target."""
-    if name.startswith("default:"):
+    base, _, settings = name.partition(":")
+    if base == "default":
         llm = LLM(target, max_num_seqs=b)
-        for item in name.split(":", 1)[1].split(","):
+        for item in filter(None, settings.split(",")):
             key, value = item.split("=")
             owner = next((o for o in (llm.engine.k_policy, llm.engine.proposer) if hasattr(o, key)), None)
             if owner is None:
                 raise SystemExit(f"{name}: neither the default's k policy nor its proposer has an attribute {key!r}")
             setattr(owner, key, None if value == "None" else int(value) if value.isdigit() else float(value))
         return llm
-    if name == "default":
-        return LLM(target, max_num_seqs=b)
     if name == "target":
         return LLM(target, draft=None, max_num_seqs=b)
     if name == "capture":
@@ -51,7 +51,7 @@ def build(name: str, target, b: int) -> LLM:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="target,default", help="space-separated; ratios are to the first")
+    ap.add_argument("--variants", default="target default", help="space-separated; ratios are to the first")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--num-prompts", type=int, default=16)

@@ -73,7 +73,7 @@ def causal_mask(positions: torch.Tensor, max_ctx: int, groups: int = 1) -> torch
 # Forwards of up to this many tokens (B * L) take the fused C++ kernels on CPU (rope_cache_attend, and the whole
 # forward in one call: decode_layers, head_layer), and at most the rows the packed kernels take before a long
 # prefill goes to a GEMM (PACKED_MAX_ROWS: 256 with AVX-512, 48 else); longer ones take SDPA's blocked matmuls
-# op by op. Was 16: on the Intel AMX kind 4x5 / 16x2 / 4x16 steps ran 22-26 / 26 / 15 % faster at 256, a 44-token
+# op by op. Was 16: on the Intel AMX kind 4x5 / 16x2 / 4x16 steps ran 22 / 26 / 15 % faster at 256, a 44-token
 # prompt's prefill 18 % (docs/experiments.md, nineteenth session).
 FUSED_MAX_TOKENS = 256
 
