@@ -29,7 +29,7 @@ SAMPLER = "minispec/spec_decode/rejection_sampler.py"
 ENGINE = "minispec/engine/engine.py"
 REQUEST = "minispec/engine/request.py"
 
-EXACT = ["tests/test_rejection_sampler.py", "-k", "exact_law"]
+EXACT = ["tests/test_rejection_sampler.py", "-k", "exact_law and torch"]
 TRITON = ["tests/test_rejection_sampler.py", "-k", "probes_triton"]
 
 
@@ -72,6 +72,14 @@ MUTANTS = [
            "        pv = tl.where(num_accepted == num_drafts, qv, pv)\n", tuple(TRITON)),
     Mutant("triton: accept when u * q <= 1.05 * p", SAMPLER,
            "acc = ok & (u * qd < pd)", "acc = ok & (u * qd <= 1.05 * pd)", tuple(TRITON)),
+    # ---- the rejection sampler: C++ kernel (what runs on CPU; each mutant rebuilds the extension)
+    Mutant("cpp: accept when u * q <= 1.05 * p", "minispec/kernels/fused_cpu.cpp",
+           "if (ok && up[r * K + n] * qp[j * V + d] < pp[j * V + d]) {",
+           "if (ok && up[r * K + n] * qp[j * V + d] <= 1.05f * pp[j * V + d]) {",
+           ("tests/test_rejection_sampler.py", "-k", "exact_law and cpp")),
+    Mutant("cpp: stale / -1 drafts replaced by a residual draw", "minispec/kernels/fused_cpu.cpp",
+           "        final_ok = ok;\n", "        final_ok = true;\n",
+           ("tests/test_rejection_sampler.py", "-k", "exact_law and cpp")),
     # ---- p and q
     Mutant("top-p applied to the target but not to q", SAMPLER,
            "probs_from_logits(draft_logits, t, k, p)", "probs_from_logits(draft_logits, t, k, torch.ones_like(p))",

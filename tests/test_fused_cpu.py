@@ -57,6 +57,87 @@ def test_greedy_argmax_equals_torch(vocab):
     assert torch.equal(finite, torch.isfinite(logits.amax(dim=-1)))
 
 
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 49157])
+def test_exp_race_equals_torch(vocab):
+    """exp_race == sampler.sample's torch form, argmax(probs / clamp(noise)), exactly: ties in and across lanes and in
+    the tail go to the first index; noise at 0 and inf is clamped; zero rows."""
+    from minispec.sample.sampler import NOISE_MAX, NOISE_MIN
+
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(3 * torch.randn(8, vocab, generator=g), -1)
+    noise = torch.empty(8, vocab).exponential_(generator=g)
+    probs[1] = (probs[1] * 4).round() / 4  # ties of the score with constant noise
+    noise[1] = 1.0
+    probs[2] = 0.0  # all scores 0: token 0
+    noise[3, : vocab // 2] = 0.0  # clamped to NOISE_MIN: ties at p / 1e-30
+    noise[4, ::3] = float("inf")
+    probs[5] = 1.0 / vocab  # uniform, noise tied too
+    noise[5] = 2.0
+    probs[6] = 0.0
+    probs[6, -1] = 1.0  # the maximum in the tail
+    want = (probs / noise.clamp(NOISE_MIN, NOISE_MAX)).argmax(dim=-1)
+    assert torch.equal(cpu.ops().exp_race(probs, noise, NOISE_MIN, NOISE_MAX), want)
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 1000, 49152])
+def test_temperature_softmax_against_torch(vocab):
+    """softmax(logits / t) within 4 float32 ulps of torch's (relative 5e-7 on entries above 1e-30); -inf logits get
+    exactly 0; rows with NaN, +inf or only -inf come back not ok."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = 4 * torch.randn(7, vocab, generator=g)
+    logits[1, ::2] = float("-inf")  # a draft row over a subset of the vocabulary
+    logits[1, -1] = 2.0
+    t = torch.tensor([1.0, 0.8, 0.05, 1.7, 1.0, 1.0, 1.0])
+    logits[4, 0] = float("nan")
+    logits[5, -1] = float("inf")
+    logits[6] = float("-inf")
+    probs, ok = cpu.ops().temperature_softmax(logits, t)
+    assert ok.tolist() == [True] * 4 + [False] * 3
+    want = torch.softmax(logits[:4] / t[:4, None], dim=-1)
+    got = probs[:4]
+    big = want > 1e-30
+    assert ((got[big] - want[big]).abs() <= 5e-7 * want[big]).all()
+    assert (got[~big] <= 1e-30).all()
+    assert (got[1][logits[1] == float("-inf")] == 0).all()
+    torch.testing.assert_close(got.double().sum(-1), want.double().sum(-1), rtol=0, atol=1e-6)  # float32 sums: 5e-6 off 1
+
+
+def test_rejection_sample_probs_equals_the_reference():
+    """The C++ kernel == rejection_sample_ref on the same p, q exactly: 300 random batches over 1..6 logits positions
+    a request and vocabularies 5 .. 49,152 (stale, out-of-range and -1 drafts, q zero on half the vocabulary, tied
+    probabilities and constant noise), and the zero-residual fallback to p."""
+    import itertools
+
+    from minispec.spec_decode.rejection_sampler import rejection_sample_cpu, rejection_sample_ref
+
+    for seed in range(300):
+        g = torch.Generator().manual_seed(seed)
+        vocab = [5, 17, 200, 1000, 49152][seed % 5] if seed % 10 else 49152
+        rows = torch.randint(1, 7, (1 + seed % 7,), generator=g).tolist()
+        cu = torch.tensor([0, *itertools.accumulate(rows)])
+        n, num_logits = len(rows), int(cu[-1])
+        p = torch.softmax(3 * torch.randn(num_logits, vocab, generator=g), -1)
+        q = torch.softmax(3 * torch.randn(num_logits, vocab, generator=g), -1)
+        if seed % 3 == 0:
+            q[:, ::2] = 0.0
+        if seed % 4 == 0:
+            p, q = (p * 8).round() / 8, (q * 8).round() / 8
+        if seed % 9 == 0:
+            p = q.clone()  # every residual is zero: a rejected draft is redrawn from p
+        drafts = torch.multinomial(q + 1e-9, 1, generator=g).squeeze(1)
+        drafts[cu[1:] - 1] = -1
+        drafts[torch.rand(num_logits, generator=g) < 0.1] = vocab + 2
+        drafts[torch.rand(num_logits, generator=g) < 0.05] = -1
+        stale = (torch.rand(num_logits, generator=g) < 0.1) if seed % 2 else None
+        u = torch.rand(n, max(rows) + seed % 2, generator=g)
+        noise = torch.empty(n, vocab).exponential_(generator=g)
+        if seed % 6 == 0:
+            noise[:] = 1.0
+        want = rejection_sample_ref(p, q, drafts, stale, cu, u, noise)
+        got = rejection_sample_cpu(p, q, drafts, stale, cu, u, noise)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+
+
 @pytest.mark.parametrize("shape", [(1, 3072), (4, 3, 34)])
 def test_silu_mul(shape):
     gate_up = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 8

@@ -5,10 +5,10 @@ Exact: tests/sampler_law.py probes rejection_sample on every draft sequence of o
 from a q other than the cached one) and composes the probed terms into the exact law of every
 emitted token, the bonus token included: it must be the target's p (the probes
 hold the sampler to the specification within a relative EPS = 1e-3; float32 probabilities, so the law
-holds to atol 1e-6). The torch reference runs every
+holds to atol 1e-6). The C++ kernel (what runs on CPU) and the torch reference run every
 case; the Triton kernel (TRITON_INTERPRET=1, about 20 ms per request on a CPU) a subset.
-Monte-Carlo: MC_N seeded requests per case through rejection_sample on each device (CPU: the torch
-reference; CUDA, where present: the Triton kernel); the token at every position
+Monte-Carlo: MC_N seeded requests per case through rejection_sample on each device (CPU: the
+C++ kernel; CUDA, where present: the Triton kernel); the token at every position
 (given that the drafts before it were accepted) is chi-square tested against p at MC_ALPHA, and the
 bonus tokens must reject the laws of two wrong samplers (draws from the residual, or from q).
 """
@@ -17,7 +17,9 @@ import itertools
 import pytest
 import torch
 
+from minispec.kernels import cpu
 from minispec.sample.sampler import probs_from_logits, sample
+from minispec.spec_decode import rejection_sampler
 from minispec.spec_decode.rejection_sampler import (
     rejection_sample,
     rejection_sample_ref,
@@ -75,8 +77,14 @@ def make_request(name: str, vocab: int = 4) -> Request:
     return Request(target, cached, own, **cfg)
 
 
+@pytest.mark.parametrize("kernel", ["cpp", "torch"])
 @pytest.mark.parametrize("name", list(EXACT_CASES))
-def test_exact_law_of_every_emitted_token(name):
+def test_exact_law_of_every_emitted_token(name, kernel, monkeypatch):
+    """kernel: what rejection_sample runs on CPU, the C++ kernel where it is built or the torch reference."""
+    if kernel == "torch":
+        monkeypatch.setattr(rejection_sampler, "rejection_sample_cpu", rejection_sample_ref)
+    elif cpu.ops() is None:
+        pytest.skip("the C++ kernels could not be built")
     req = make_request(name)
     failures = probe(req)
     assert not failures, f"{len(failures)} probes failed, e.g. " + "; ".join(failures[:3])
@@ -161,7 +169,7 @@ MC_CASES = {
 
 def mc_run(name: str, vocab: int = 6, n: int = MC_N, seed: int = 1, device: str = "cpu"):
     """n copies of one request, drafts drawn from its own q (another q in the cache on stale rows); the draws are
-    made on CPU, the sampler runs on device (CPU: the torch reference, CUDA: the Triton kernel)."""
+    made on CPU, the sampler runs on device (CPU: the C++ kernel, CUDA: the Triton kernel)."""
     cfg = dict(MC_CASES[name])
     k = cfg.pop("k")
     stale_pos, placeholder = cfg.pop("stale", ()), cfg.pop("placeholder", ())

@@ -116,6 +116,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) (or RMSNorm(x) without a residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [.., gate | up]");
   m.def("greedy_argmax", &greedy_argmax, "(argmax, finite) of each row: NaN as -inf, +inf as the largest float");
+  m.def("temperature_softmax", &temperature_softmax, "(softmax(logits / t) of each row, ok): ok false where a row is not finite");
+  m.def("exp_race", &exp_race, "argmax(probs / clamp(noise)) of each row, the first on ties: sampler.sample");
+  m.def("rejection_sample_probs", &rejection_sample_probs,
+        "rejection_sample_ref on probabilities: (tokens [num_reqs, K + 1], num_sampled [num_reqs])");
   m.def("rope_cache_attend", &rope_cache_attend, "RoPE, KV cache write and attention for short queries");
   m.def("decode_layers", &decode_layers, "every decoder layer over a short forward, in one call");
   m.def("head_layer", &head_layer, "an EAGLE-3 head's forward over a short batch, in one call");

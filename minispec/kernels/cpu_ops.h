@@ -44,6 +44,12 @@ torch::Tensor packed_dequantize(torch::Tensor w, int64_t qtype, int64_t K);
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> greedy_argmax(torch::Tensor logits);
+std::vector<torch::Tensor> temperature_softmax(torch::Tensor logits, torch::Tensor temperature);
+torch::Tensor exp_race(torch::Tensor probs, torch::Tensor noise, double noise_min, double noise_max);
+std::vector<torch::Tensor> rejection_sample_probs(torch::Tensor p, torch::Tensor q, torch::Tensor draft_tokens,
+                                                  torch::Tensor stale, torch::Tensor cu_num_logits,
+                                                  torch::Tensor uniforms, torch::Tensor noise, double noise_min,
+                                                  double noise_max);
 torch::Tensor rope_cache_attend(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor k_cache,
                                 torch::Tensor v_cache, torch::Tensor write_index, torch::Tensor positions,
                                 torch::Tensor read_slots, int64_t n_heads, int64_t n_kv_heads, double scale);

@@ -220,6 +220,198 @@ std::vector<torch::Tensor> greedy_argmax(torch::Tensor logits) {
   return {tokens, finite};
 }
 
+namespace {
+
+// The exponential race of sample(): the first i maximising value(i) / clamp(noise[i], lo, hi) over [0, V), value(i)
+// >= 0. The same floats as torch (an IEEE division each) and torch.argmax's first index on ties: each of LANES lanes
+// keeps the first maximum of its residue class (vectorised), then the lanes merge, the lower index on ties.
+template <class Value>
+int64_t race(Value value, const float* noise, int64_t V, float lo, float hi) {
+  float bv[LANES];
+  int32_t bi[LANES];
+  for (int32_t l = 0; l < LANES; ++l) {
+    bv[l] = -1.0f;
+    bi[l] = l;
+  }
+  int64_t i = 0;
+  for (; i + LANES <= V; i += LANES)
+    for (int32_t l = 0; l < LANES; ++l) {
+      const float s = value(i + l) / std::min(std::max(noise[i + l], lo), hi);
+      const bool gt = s > bv[l];
+      bv[l] = gt ? s : bv[l];
+      bi[l] = gt ? static_cast<int32_t>(i) + l : bi[l];
+    }
+  float best = -1.0f;
+  int64_t at = 0;
+  for (int32_t l = 0; l < LANES && l < V; ++l)
+    if (bv[l] > best || (bv[l] == best && bi[l] < at)) {
+      best = bv[l];
+      at = bi[l];
+    }
+  for (; i < V; ++i) {  // past every lane's indices: a strict > keeps the first maximum
+    const float s = value(i) / std::min(std::max(noise[i], lo), hi);
+    if (s > best) {
+      best = s;
+      at = i;
+    }
+  }
+  return at;
+}
+
+}  // namespace
+
+// softmax(logits[n] / temperature[n]) of each row [N, V] (temperature > 0), and ok [N]: false for a row holding NaN
+// or +inf or nothing above -inf, whose probabilities are left unwritten (sampler.probs_from_logits takes those).
+// The division is torch's (IEEE); exp is exp_f32 (about 1 ulp from torch's), 0 where x - max < -87 (-inf logits
+// get exactly 0); the sum runs in LANES partial sums. Within a few float32 ulps of torch's softmax.
+std::vector<torch::Tensor> temperature_softmax(torch::Tensor logits, torch::Tensor temperature) {
+  check_f32(logits, "logits");
+  check_f32(temperature, "temperature");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && temperature.dim() == 1 &&
+                  temperature.size(0) == logits.size(0), "temperature_softmax: logits [N, V] and temperature [N]");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  auto probs = torch::empty_like(logits);
+  auto ok = torch::empty({N}, logits.options().dtype(torch::kBool));
+  const float *lp = logits.data_ptr<float>(), *tp = temperature.data_ptr<float>();
+  float* pp = probs.data_ptr<float>();
+  bool* okp = ok.data_ptr<bool>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / V), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* row = lp + n * V;
+      float* out = pp + n * V;
+      const float t = tp[n];
+      float mx[LANES], bad[LANES];
+      for (int64_t l = 0; l < LANES; ++l) mx[l] = ninf, bad[l] = 0.0f;
+      int64_t i = 0;
+      for (; i + LANES <= V; i += LANES)
+        for (int64_t l = 0; l < LANES; ++l) {
+          const float v = row[i + l];
+          bad[l] = (v != v || v == -ninf) ? 1.0f : bad[l];
+          mx[l] = v > mx[l] ? v : mx[l];
+        }
+      float m = ninf;
+      bool is_bad = false;
+      for (int64_t l = 0; l < LANES; ++l) m = std::max(m, mx[l]), is_bad |= bad[l] != 0.0f;
+      for (; i < V; ++i) {
+        const float v = row[i];
+        is_bad |= v != v || v == -ninf;
+        m = std::max(m, v);
+      }
+      const float mt = m / t;  // max(l / t) = max(l) / t: a correctly rounded division by t > 0 is monotonic
+      okp[n] = !is_bad && m > ninf && t > 0.0f && std::isfinite(mt);
+      if (!okp[n]) continue;
+      float acc[LANES] = {0};
+      i = 0;
+      for (; i + LANES <= V; i += LANES)
+        for (int64_t l = 0; l < LANES; ++l) {
+          const float d = row[i + l] / t - mt;
+          const float e = d < -87.0f ? 0.0f : exp_f32(d);
+          out[i + l] = e;
+          acc[l] += e;
+        }
+      float sum = 0.0f;
+      for (; i < V; ++i) {
+        const float d = row[i] / t - mt;
+        out[i] = d < -87.0f ? 0.0f : exp_f32(d);
+        sum += out[i];
+      }
+      for (int64_t l = 0; l < LANES; ++l) sum += acc[l];
+      const float inv = 1.0f / sum;
+      for (i = 0; i < V; ++i) out[i] *= inv;
+    }
+  });
+  return {probs, ok};
+}
+
+// probs [N, V], noise [N, V] (Exp(1) draws) -> tokens [N] int64: sampler.sample's argmax(probs / clamp(noise)).
+torch::Tensor exp_race(torch::Tensor probs, torch::Tensor noise, double noise_min, double noise_max) {
+  check_f32(probs, "probs");
+  check_f32(noise, "noise");
+  TORCH_CHECK(probs.dim() == 2 && probs.sizes() == noise.sizes() && probs.size(1) > 0 && probs.size(1) < (int64_t(1) << 31),
+              "exp_race: probs and noise must both be [N, V] with 0 < V < 2^31");
+  const int64_t N = probs.size(0), V = probs.size(1);
+  auto tokens = torch::empty({N}, probs.options().dtype(torch::kInt64));
+  const float *pp = probs.data_ptr<float>(), *np = noise.data_ptr<float>();
+  const float lo = static_cast<float>(noise_min), hi = static_cast<float>(noise_max);
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / V), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* row = pp + n * V;
+      tp[n] = race([row](int64_t i) { return row[i]; }, np + n * V, V, lo, hi);
+    }
+  });
+  return tokens;
+}
+
+// spec_decode/rejection_sampler.py's rejection_sample_ref on probabilities, one request at a time (its Triton kernel's
+// walk): p, q [num_logits, V]; draft_tokens [num_logits] int64; stale [num_logits] bool or empty (none stale);
+// cu_num_logits [num_reqs + 1] int64; uniforms [num_reqs, K] float32; noise [num_reqs, V]. Returns tokens
+// [num_reqs, K + 1] (-1 padded) and num_sampled [num_reqs], equal to the reference's: the same float32 products,
+// differences and divisions.
+std::vector<torch::Tensor> rejection_sample_probs(torch::Tensor p, torch::Tensor q, torch::Tensor draft_tokens,
+                                                  torch::Tensor stale, torch::Tensor cu_num_logits,
+                                                  torch::Tensor uniforms, torch::Tensor noise, double noise_min,
+                                                  double noise_max) {
+  check_f32(p, "p");
+  check_f32(q, "q");
+  check_f32(uniforms, "uniforms");
+  check_f32(noise, "noise");
+  TORCH_CHECK(p.dim() == 2 && q.sizes() == p.sizes() && p.size(1) > 0 && p.size(1) < (int64_t(1) << 31),
+              "rejection_sample_probs: p and q must both be [num_logits, V] with 0 < V < 2^31");
+  const int64_t num_logits = p.size(0), V = p.size(1);
+  TORCH_CHECK(uniforms.dim() == 2 && noise.dim() == 2 && noise.size(0) == uniforms.size(0) && noise.size(1) == V,
+              "rejection_sample_probs: uniforms must be [num_reqs, K] and noise [num_reqs, V]");
+  const int64_t num_reqs = uniforms.size(0), K = uniforms.size(1);
+  TORCH_CHECK(cu_num_logits.scalar_type() == torch::kInt64 && cu_num_logits.is_contiguous() &&
+                  cu_num_logits.numel() == num_reqs + 1 && draft_tokens.scalar_type() == torch::kInt64 &&
+                  draft_tokens.is_contiguous() && draft_tokens.numel() == num_logits,
+              "rejection_sample_probs: cu_num_logits [num_reqs + 1] and draft_tokens [num_logits] must be int64");
+  const bool has_stale = stale.numel() > 0;
+  TORCH_CHECK(!has_stale || (stale.scalar_type() == torch::kBool && stale.is_contiguous() &&
+                             stale.numel() == num_logits), "rejection_sample_probs: stale must be [num_logits] bool");
+  const int64_t* cu = cu_num_logits.data_ptr<int64_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[num_reqs] == num_logits, "rejection_sample_probs: cu_num_logits must run 0 .. num_logits");
+  for (int64_t r = 0; r < num_reqs; ++r)
+    TORCH_CHECK(cu[r + 1] > cu[r] && cu[r + 1] - cu[r] - 1 <= K,
+                "rejection_sample_probs: every request needs 1 to K + 1 logits positions");
+  auto tokens = torch::full({num_reqs, K + 1}, -1, p.options().dtype(torch::kInt64));
+  auto num_sampled = torch::empty({num_reqs}, p.options().dtype(torch::kInt64));
+  const float *pp = p.data_ptr<float>(), *qp = q.data_ptr<float>(), *up = uniforms.data_ptr<float>(),
+              *np = noise.data_ptr<float>();
+  const int64_t* dp = draft_tokens.data_ptr<int64_t>();
+  const bool* sp = has_stale ? stale.data_ptr<bool>() : nullptr;
+  int64_t *tp = tokens.data_ptr<int64_t>(), *ns = num_sampled.data_ptr<int64_t>();
+  const float lo = static_cast<float>(noise_min), hi = static_cast<float>(noise_max);
+  at::parallel_for(0, num_reqs, std::max<int64_t>(1, 65536 / V), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t start = cu[r], num_drafts = cu[r + 1] - start - 1;
+      int64_t n = 0;
+      bool final_ok = false;  // the first rejected draft was valid: draw from the residual
+      for (; n < num_drafts; ++n) {
+        const int64_t j = start + n, d = dp[j];
+        const bool ok = d >= 0 && d < V && !(sp != nullptr && sp[j]);
+        if (ok && up[r * K + n] * qp[j * V + d] < pp[j * V + d]) {
+          tp[r * (K + 1) + n] = d;
+          continue;
+        }
+        final_ok = ok;
+        break;
+      }
+      const float* pf = pp + (start + n) * V;
+      const float* qf = qp + (start + n) * V;
+      bool has_resid = false;
+      if (final_ok)
+        for (int64_t i = 0; i < V && !has_resid; ++i) has_resid = pf[i] - qf[i] > 0.0f;
+      const int64_t token = has_resid ? race([pf, qf](int64_t i) { return std::max(pf[i] - qf[i], 0.0f); }, np + r * V, V, lo, hi)
+                                      : race([pf](int64_t i) { return pf[i]; }, np + r * V, V, lo, hi);
+      tp[r * (K + 1) + n] = token;
+      ns[r] = n + 1;
+    }
+  });
+  return {tokens, num_sampled};
+}
+
 // gate_up [N, 2 I] (gate | up) -> silu(gate) * up [N, I].
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_f32(gate_up, "gate_up");

@@ -107,6 +107,9 @@ def probs_from_logits(
 
     NaN logits count as -inf; a distribution without any finite logit is one-hot at token 0.
     """
+    plain = _plain_softmax(logits, temperature, top_k, top_p)
+    if plain is not None:
+        return plain
     max_logit = logits.amax(dim=-1)  # [N]; NaN or +inf anywhere in logits[i] shows here, as does all -inf
     if bool(torch.isfinite(max_logit).all()):
         return _probs_finite(logits, temperature, top_k, top_p)
@@ -122,8 +125,25 @@ def probs_from_logits(
     return torch.where(one_hot, torch.zeros_like(probs).scatter_(1, argmax.unsqueeze(1), 1.0), probs)
 
 
+def _plain_softmax(logits, temperature, top_k, top_p) -> torch.Tensor | None:
+    """probs_from_logits by one C++ pass (temperature_softmax, within a few float32 ulps of torch's softmax) where
+    it applies: CPU float32 [N, V] logits, every finite and sampled at temperature >= SHIFT_BELOW_T without top-k
+    or top-p; else None."""
+    if logits.dim() != 2 or not cpu.applies(logits):
+        return None
+    vocab = logits.shape[-1]
+    plain = (temperature >= SHIFT_BELOW_T) & ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1)  # [N]
+    if not bool(plain.all()):
+        return None
+    probs, ok = cpu.ops().temperature_softmax(logits, temperature.float().contiguous())
+    return probs if bool(ok.all()) else None
+
+
 def sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Exact draw from each distribution: argmax(probs / noise) with noise ~ Exp(1) (the exponential race), int64 [N]."""
+    """Exact draw from each distribution: argmax(probs / noise) with noise ~ Exp(1) (the exponential race), int64 [N]
+    (the first index on ties). On CPU one pass of the C++ kernel, the same floats."""
+    if probs.dim() == 2 and noise.shape == probs.shape and cpu.applies(probs, noise):
+        return cpu.ops().exp_race(probs, noise, NOISE_MIN, NOISE_MAX)
     return (probs / noise.clamp(NOISE_MIN, NOISE_MAX)).argmax(dim=-1)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from minispec.kernels import cpu
 from minispec.sample.sampler import NOISE_MAX, NOISE_MIN, greedy_tokens, probs_from_logits, sample
 from minispec.utils import load_triton
 from minispec.utils import use_triton as _use_triton
@@ -156,6 +157,15 @@ def rejection_sample_triton(p, q, draft_tokens, stale, cu_num_logits, uniforms, 
     return tokens, num_sampled
 
 
+def rejection_sample_cpu(p, q, draft_tokens, stale, cu_num_logits, uniforms, noise):
+    """The C++ kernel on probabilities (kernels/fused_cpu.cpp, CPU float32 tensors): rejection_sample_ref's outputs."""
+    stale = torch.empty(0, dtype=torch.bool) if stale is None else stale.bool().contiguous()
+    tokens, num_sampled = cpu.ops().rejection_sample_probs(
+        p, q, draft_tokens.long().contiguous(), stale, cu_num_logits.long().contiguous(),
+        uniforms.float().contiguous(), noise.float().contiguous(), NOISE_MIN, NOISE_MAX)
+    return tokens, num_sampled
+
+
 def greedy_accept(argmax: np.ndarray, draft_tokens: np.ndarray, cu_num_logits: np.ndarray, max_drafts: int
                   ) -> tuple[np.ndarray, np.ndarray]:
     """The all-greedy verdict on the host: tokens [num_reqs, K + 1] (-1 padded), num_sampled [num_reqs].
@@ -246,6 +256,9 @@ def rejection_sample(
     if not return_probs and target_logits.shape[0] == cu_num_logits.shape[0] - 1:  # one position per request
         return sample_without_drafts(target_logits, temperature, top_k, top_p, noise, uniforms.shape[1])
     p, q = _probs(target_logits, draft_logits, cu_num_logits, temperature, top_k, top_p)
-    fn = rejection_sample_triton if use_triton else rejection_sample_ref
+    if use_triton:
+        fn = rejection_sample_triton
+    else:  # the C++ kernel where it applies (a tenth of the reference's time at V = 49,152), else the reference
+        fn = rejection_sample_cpu if cpu.applies(p, q) else rejection_sample_ref
     tokens, num_sampled = fn(p, q, draft_tokens, stale, cu_num_logits, uniforms, noise)
     return (tokens, num_sampled, p, q) if return_probs else (tokens, num_sampled)
