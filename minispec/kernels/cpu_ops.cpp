@@ -117,6 +117,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up over [.., gate | up]");
   m.def("greedy_argmax", &greedy_argmax, "(argmax, finite) of each row: NaN as -inf, +inf as the largest float");
   m.def("temperature_softmax", &temperature_softmax, "(softmax(logits / t) of each row, ok): ok false where a row is not finite");
+  m.def("exp_noise", &exp_noise, "Exp(1) noise [N, V] float32 from one SplitMix64 state per row (counter-based)");
   m.def("exp_race", &exp_race, "argmax(probs / clamp(noise)) of each row, the first on ties: sampler.sample");
   m.def("rejection_sample_probs", &rejection_sample_probs,
         "rejection_sample_ref on probabilities: (tokens [num_reqs, K + 1], num_sampled [num_reqs])");

@@ -45,6 +45,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
 torch::Tensor silu_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> greedy_argmax(torch::Tensor logits);
 std::vector<torch::Tensor> temperature_softmax(torch::Tensor logits, torch::Tensor temperature);
+torch::Tensor exp_noise(torch::Tensor seeds, int64_t vocab);
 torch::Tensor exp_race(torch::Tensor probs, torch::Tensor noise, double noise_min, double noise_max);
 std::vector<torch::Tensor> rejection_sample_probs(torch::Tensor p, torch::Tensor q, torch::Tensor draft_tokens,
                                                   torch::Tensor stale, torch::Tensor cu_num_logits,

@@ -260,6 +260,68 @@ int64_t race(Value value, const float* noise, int64_t V, float lo, float hi) {
 
 }  // namespace
 
+namespace {
+
+// Output j of SplitMix64 started at state `seed` (Steele et al., 2014): a counter-based generator, so a row's draws
+// vectorise and depend on (seed, j) alone.
+inline uint64_t splitmix64(uint64_t seed, uint64_t j) {
+  uint64_t z = seed + (j + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// -log(u) for u in (0, 1], relative error below 1e-12 (far under float32's): u = m 2^e with m in [sqrt(1/2),
+// sqrt(2)), log m = 2 atanh(s), s = (m - 1) / (m + 1), by its series to s^13. No libm call, so loops vectorise.
+inline double neg_log(double u) {
+  uint64_t bits;
+  std::memcpy(&bits, &u, sizeof(bits));
+  double e = static_cast<double>(static_cast<int64_t>(bits >> 52)) - 1023.0;
+  bits = (bits & 0x000FFFFFFFFFFFFFull) | 0x3FF0000000000000ull;
+  double m;
+  std::memcpy(&m, &bits, sizeof(m));
+  const bool high = m > 1.4142135623730951;
+  m = high ? 0.5 * m : m;
+  e = high ? e + 1.0 : e;
+  const double s = (m - 1.0) / (m + 1.0), z = s * s;
+  double p = 1.0 / 13;
+  p = p * z + 1.0 / 11;
+  p = p * z + 1.0 / 9;
+  p = p * z + 1.0 / 7;
+  p = p * z + 1.0 / 5;
+  p = p * z + 1.0 / 3;
+  p = p * z + 1.0;
+  return -(e * 0.6931471805599453 + 2.0 * s * p);
+}
+
+}  // namespace
+
+// Exp(1) noise [N, V] float32: row n, entry j is -log(u) with u = (k + 1) 2^-53, k the top 53 bits of SplitMix64
+// output j from state seeds[n] (int64, read as uint64). u = 1 (an Exp draw of 0, which wins any exponential race)
+// has probability 2^-53. sample/random.py's exp_noise_numpy is the same computation in numpy.
+torch::Tensor exp_noise(torch::Tensor seeds, int64_t vocab) {
+  TORCH_CHECK(seeds.scalar_type() == torch::kInt64 && seeds.dim() == 1 && seeds.is_contiguous() && vocab > 0,
+              "exp_noise: seeds must be [N] int64 and vocab > 0");
+  const int64_t N = seeds.size(0);
+  auto out = torch::empty({N, vocab}, seeds.options().dtype(torch::kFloat32));
+  const int64_t* sp = seeds.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  constexpr int64_t CHUNK = 4096;  // entries per unit of work: a row's draws depend on (seed, j) alone, so they split
+  const int64_t chunks = (vocab + CHUNK - 1) / CHUNK;
+  at::parallel_for(0, N * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t n = c / chunks, j0 = (c % chunks) * CHUNK, j1 = std::min(vocab, j0 + CHUNK);
+      const uint64_t seed = static_cast<uint64_t>(sp[n]);
+      float* row = op + n * vocab;
+      for (int64_t j = j0; j < j1; ++j) {
+        const uint64_t k = splitmix64(seed, static_cast<uint64_t>(j)) >> 11;
+        row[j] = static_cast<float>(neg_log(static_cast<double>(static_cast<int64_t>(k + 1)) * 0x1.0p-53));
+      }
+    }
+  });
+  return out;
+}
+
 // softmax(logits[n] / temperature[n]) of each row [N, V] (temperature > 0), and ok [N]: false for a row holding NaN
 // or +inf or nothing above -inf, whose probabilities are left unwritten (sampler.probs_from_logits takes those).
 // The division is torch's (IEEE); exp is exp_f32 (about 1 ulp from torch's), 0 where x - max < -87 (-inf logits
