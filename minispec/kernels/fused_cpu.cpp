@@ -116,6 +116,68 @@ void attend_head(const float* q, const float* k, const float* v, int64_t ld, int
   for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
 }
 
+#ifdef MS_AVX2
+// o_g[0 .. 8 NC) = inv[g] * sum_s p_g[s] v_s[0 .. 8 NC) for the G query heads g of one KV head (p_g = p + g * ps,
+// o_g = o + g * hd): weighted_sum's floats for each head, every value row loaded once for the G.
+template <int G, int NC>
+inline void weighted_sum_group(const float* p, int64_t ps, const float* v, int64_t ld, int64_t n_keys, const float* inv,
+                               float* o, int64_t hd) {
+  __m256 acc[G][NC];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC; c++) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < n_keys; ++s) {
+    __m256 w[G];
+    for (int g = 0; g < G; g++) w[g] = _mm256_set1_ps(p[g * ps + s]);
+    for (int c = 0; c < NC; c++) {
+      const __m256 vc = _mm256_loadu_ps(v + s * ld + 8 * c);
+      for (int g = 0; g < G; g++) acc[g][c] = _mm256_fmadd_ps(w[g], vc, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC; c++) _mm256_storeu_ps(o + g * hd + 8 * c, _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
+}
+
+// The G query heads q_g = q + g * hd of one KV head (GQA) at once, each the same floats as attend_head's: every key
+// and value row is read once for the G heads instead of once per head. hd % 8 == 0; p has room for G * n_keys
+// scores; o_g = o + g * hd.
+template <int G>
+void attend_group(const float* q, const float* k, const float* v, int64_t ld, int64_t n_keys, int64_t hd, float scale,
+                  float* p, float* o) {
+  int64_t s = 0;
+  for (; s + 4 <= n_keys; s += 4) {  // 4 keys at a time, as attend_head; the G queries share each key load
+    __m256 a[G][4];
+    for (int g = 0; g < G; g++)
+      for (int j = 0; j < 4; j++) a[g][j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < hd; c += 8) {
+      __m256 qc[G];
+      for (int g = 0; g < G; g++) qc[g] = _mm256_loadu_ps(q + g * hd + c);
+      for (int j = 0; j < 4; j++) {
+        const __m256 kj = _mm256_loadu_ps(k + (s + j) * ld + c);
+        for (int g = 0; g < G; g++) a[g][j] = _mm256_fmadd_ps(qc[g], kj, a[g][j]);
+      }
+    }
+    for (int g = 0; g < G; g++) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+      const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      _mm_storeu_ps(p + g * n_keys + s, _mm_mul_ps(r, _mm_set1_ps(scale)));
+    }
+  }
+  for (; s < n_keys; ++s)
+    for (int g = 0; g < G; g++) p[g * n_keys + s] = dot(q + g * hd, k + s * ld, hd) * scale;
+  float inv[G];
+  for (int g = 0; g < G; g++) {
+    float* pg = p + g * n_keys;
+    float m = -INFINITY;
+    for (s = 0; s < n_keys; ++s) m = std::max(m, pg[s]);
+    for (s = 0; s < n_keys; ++s) pg[s] = exp_f32(pg[s] - m);
+    inv[g] = 1.0f / sum_f32(pg, n_keys);
+  }
+  int64_t c0 = 0;
+  for (; c0 + 32 <= hd; c0 += 32) weighted_sum_group<G, 4>(p, n_keys, v + c0, ld, n_keys, inv, o + c0, hd);
+  for (; c0 < hd; c0 += 8) weighted_sum_group<G, 1>(p, n_keys, v + c0, ld, n_keys, inv, o + c0, hd);
+}
+#endif
+
 void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name,
               " must be a contiguous float32 CPU tensor");
@@ -554,6 +616,24 @@ torch::Tensor rope_cache_attend(torch::Tensor qkv, torch::Tensor cos_sin, torch:
   }
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rs[b] >= 0 && rs[b] < k_cache.size(0), "read slot out of range");
   const float sc = static_cast<float>(scale);
+#ifdef MS_AVX2
+  if (hd % 8 == 0 && g >= 2 && g <= 4) {  // one unit = one token's KV head and its g query heads
+    const int64_t units = T * n_kv_heads;
+    at::parallel_for(0, units, std::max<int64_t>(1, 32768 / (g * max_keys * hd)), [&](int64_t begin, int64_t end) {
+      std::vector<float> p(g * max_keys);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t t = u / n_kv_heads, kvh = u % n_kv_heads;
+        const int64_t base = (rs[t / L] * max_len) * kv_row + kvh * hd;
+        const float* qg = q + t * width + kvh * g * hd;
+        float* og = op + t * n_heads * hd + kvh * g * hd;
+        if (g == 2) attend_group<2>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og);
+        else if (g == 3) attend_group<3>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og);
+        else attend_group<4>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og);
+      }
+    });
+    return out;
+  }
+#endif
   // One unit = one token's query head (over its KV head h / g).
   const int64_t units = T * n_heads, unit_work = max_keys * hd;
   at::parallel_for(0, units, std::max<int64_t>(1, 32768 / unit_work), [&](int64_t begin, int64_t end) {
