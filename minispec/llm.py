@@ -275,7 +275,7 @@ class LLM:
             measured = self.draft.model
         costs = MeasuredCosts(self.target.model, measured, proposer.k, max_num_seqs, self.target.vocab_size,
                               torch_dtype, self.device, repeats=1)
-        return AdaptiveK(proposer.k, cost_model=costs)
+        return AdaptiveK(proposer.k, cost_model=costs, catch_up_cost=costs.catch_up)
 
     @property
     def num_speculative_tokens(self) -> int:

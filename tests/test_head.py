@@ -273,6 +273,9 @@ def test_auto_takes_the_head_where_it_is_predicted_to_pay(tmp_path, monkeypatch,
     llm = LLM(d, max_num_seqs=2)
     assert isinstance(llm.engine.proposer, HeadProposer) == pays
     assert isinstance(llm.engine.k_policy, AdaptiveK) == pays
+    if pays:  # a head's catch-up is measured and priced into the probes
+        costs = llm.engine.k_policy.cost_model
+        assert llm.engine.k_policy.catch_up_cost == costs.catch_up and 0 < costs.catch_up(2) < 1
     assert ("speculating" if pays else "the target runs alone") in llm.auto_draft
     loaded = LLM(target, max_num_seqs=2)  # an already-loaded target: "auto" looks up its name, as for the spec
     assert isinstance(loaded.engine.proposer, HeadProposer) == pays and loaded.auto_draft == llm.auto_draft

@@ -221,6 +221,25 @@ def test_adaptive_tracks_each_request():
     assert 0 < pol.mean_k() < 4
 
 
+def test_adaptive_prices_the_drafts_catch_up_into_its_probes():
+    """A probe makes the draft read every position it skipped (num_computed - num_draft_computed): with catch_up_cost
+    that reading, spread over probe_every steps, must be payable too. At acceptance 0.9 drafting pays alone (k = 4:
+    4.1 tokens for 3 steps); 300 pending positions at 0.02 steps each add 6 / 3 = 2 steps to every k (4.1 tokens for
+    5): no probe, and once the draft has caught up (9 pending: 0.06 steps) the probes come back."""
+    costs = [1.0, 1.5, 2.0, 2.5, 3.0]
+    plain = AdaptiveK(4, verify_costs=costs, probe_every=3, prior_alpha=0.0)
+    priced = AdaptiveK(4, verify_costs=costs, probe_every=3, prior_alpha=0.0, catch_up_cost=lambda b: 0.02)
+    reqs = [_fake_request(i) for i in range(3)]
+    for r in reqs:
+        r.num_computed, r.num_draft_computed = 120, 20  # 100 positions each the draft has not read
+    assert plain.catch_up(reqs) == 0.0 and priced.catch_up(reqs) == pytest.approx(2.0)
+    assert [plain(reqs)[0] for _ in range(9)].count(1) >= 1
+    assert [priced(reqs)[0] for _ in range(9)] == [0] * 9
+    for r in reqs:
+        r.num_draft_computed = 117  # caught up but for 3 positions each
+    assert [priced(reqs)[0] for _ in range(9)].count(1) >= 1
+
+
 def test_adaptive_batch_choice_and_measured_overhead():
     """One k for the batch maximises summed expected tokens per step cost; the step overhead measured in
     the engine's steps (speculative over plain) scales the cost of drafting and can turn it off."""
@@ -286,6 +305,7 @@ def test_measured_costs_drive_adaptive_k(target_dir):
     assert pol.overhead(4) >= 1.0  # measured in the engine's own steps
     assert list(pol.costs(4)) == pytest.approx([1.0] + [(k * c + verify[k]) * pol.overhead(4) for k in (1, 2, 3)])
     assert pol.counts[0] > pol.counts[1:].sum()  # off but for the probes
+    assert costs.catch_up(4) == 0.0  # a draft model: its catch-up counts as free
 
 
 def test_costs_are_measured_before_serving(target_dir, draft_dir, monkeypatch):

@@ -28,7 +28,11 @@ the wait (up to 8 * probe_every), so a workload where drafting never pays spends
 the forward costs alone rule drafting out even at acceptance probe_alpha (a large batch on a CPU, whose
 verification is compute-bound), there is no probe: it could only find that drafting does not pay. At
 probe_alpha 1 the 2-core Intel AMX kind probed at batch 16 (a 4-draft step there costs 4.8 plain steps, 5
-tokens if all were accepted) and the shipped head ran 0.90x target-only; at 0.9 it does not probe there.
+tokens if all were accepted) and the shipped head ran 0.90x target-only; at 0.9 it does not probe there. A draft
+with a KV cache of its own (an EAGLE head) must first read every position it skipped, the prompt included for a
+request that never drafted: with catch_up_cost, that reading, spread over probe_every steps, is added to the costs
+the probe must be able to pay (a full batch of 16 whose head never drafted would read ~1,600 positions, several
+plain steps, for one probe).
 
 alpha is estimated per request from its own verifications, forgetting old ones exponentially.
 A verification of n drafts that accepted a of them is a geometric run truncated at n: it saw
@@ -144,7 +148,9 @@ class AdaptiveK(KPolicy):
     target decode step. verify_costs: v[0..k_max] (v[0] = 1), or None for free verification
     (v[k] = 1). cost_model: batch_size -> (draft_cost, verify_costs), used instead of the fixed pair when
     given. overhead_decay: how fast the measured step overhead forgets old steps. probe_alpha: no probes where
-    drafting could not pay even at this acceptance. See the module docstring.
+    drafting could not pay even at this acceptance. catch_up_cost: batch_size -> what the draft's reading of one
+    position it has not seen costs, in plain decode steps at that batch size (MeasuredCosts.catch_up), or None
+    (free). See the module docstring.
     """
 
     observes_steps = True
@@ -163,6 +169,7 @@ class AdaptiveK(KPolicy):
         overhead_decay: float = 0.9,
         pool_decay: float = 0.95,
         probe_alpha: float = 0.9,
+        catch_up_cost=None,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
@@ -182,6 +189,7 @@ class AdaptiveK(KPolicy):
         self.margin = margin
         self.probe_every = probe_every
         self.probe_alpha = probe_alpha  # the acceptance at which drafting must be able to pay for a probe
+        self.catch_up_cost = catch_up_cost
         self.probe_gap = probe_every  # steps off before the next probe (doubles after each probe that stays off)
         self.pool_decay = pool_decay
         self.pool = np.zeros(2)  # decayed (successes, trials) of every request's observations
@@ -225,10 +233,21 @@ class AdaptiveK(KPolicy):
         costs[0] = 1.0
         return costs
 
-    def can_pay(self, forward_costs: np.ndarray) -> bool:
-        """Whether drafting could beat plain decoding at these forward costs [k_max + 1] at acceptance probe_alpha;
-        where it cannot, a probe finds nothing worth its step."""
-        return self._best_k(np.full(1, self.probe_alpha), forward_costs) > 0
+    def can_pay(self, forward_costs: np.ndarray, catch_up: float = 0.0) -> bool:
+        """Whether drafting could beat plain decoding at these forward costs [k_max + 1] plus catch_up (plain steps
+        added to every k > 0) at acceptance probe_alpha; where it cannot, a probe finds nothing worth its step."""
+        costs = np.array(forward_costs, dtype=np.float64)
+        costs[1:] += catch_up
+        return self._best_k(np.full(1, self.probe_alpha), costs) > 0
+
+    def catch_up(self, reqs: Sequence) -> float:
+        """A probe's catch-up, in plain steps a step: the positions the draft has not read of these requests
+        (num_computed - num_draft_computed: the prompt and every token since it last drafted) at catch_up_cost, spread
+        over probe_every steps of drafting. 0 without catch_up_cost."""
+        if self.catch_up_cost is None or not reqs:
+            return 0.0
+        pending = sum(max(0, r.num_computed - r.num_draft_computed) for r in reqs)
+        return pending * self.catch_up_cost(len(reqs)) / max(1, self.probe_every)
 
     def observe_step(self, batch_size: int, speculative: bool, step_s: float, forward_s: float) -> None:
         """Engine hook, once per step: its wall time and the part of it spent in model forwards."""
@@ -252,11 +271,11 @@ class AdaptiveK(KPolicy):
         k = int(np.argmax(rate[1:])) + 1
         return k if rate[k] > self.margin * rate[0] else 0
 
-    def _probe(self, k: int, forward_costs: np.ndarray) -> int:
+    def _probe(self, k: int, forward_costs: np.ndarray, reqs: Sequence = ()) -> int:
         """k, or 1 when speculation has been off for probe_gap steps (a probe) and drafting can pay at all at these
-        forward costs [k_max + 1]; advances the probe clock."""
+        forward costs [k_max + 1] with the draft's catch-up on reqs; advances the probe clock."""
         if k == 0:
-            if not self.can_pay(forward_costs):
+            if not self.can_pay(forward_costs, self.catch_up(reqs)):
                 return 0
             self.steps_off += 1
             if self.probe_every > 0 and self.steps_off >= self.probe_gap:
@@ -313,7 +332,7 @@ class AdaptiveK(KPolicy):
             self._update(r)
         if not reqs:
             return []
-        k = self._probe(self.choose([self.alpha(r.req_id) for r in reqs]), self.forward_costs(len(reqs)))
+        k = self._probe(self.choose([self.alpha(r.req_id) for r in reqs]), self.forward_costs(len(reqs)), reqs)
         for r in reqs:
             self.states[r.req_id].asked = k
         self.counts[k] += len(reqs)

@@ -19,6 +19,7 @@ from minispec.spec_decode.ngram import ngram_drafts
 
 
 MIN_SAMPLE_S = 0.005  # a timed sample repeats a fast call until it lasts about this long
+CATCH_UP_POSITIONS = 64  # positions of one request a head reads in the timed catch-up (MeasuredCosts.catch_up)
 
 
 class _FixedContext:
@@ -190,23 +191,33 @@ class MeasuredCosts:
     draft: the native draft model, or "ngram". Under tensor parallelism every rank measures (the forwards
     are collective) and all use rank 0's numbers, so their choices agree. Runners of its own keep the
     engine's KV cache untouched. measure_s: the seconds measuring took (repeats: samples per timer beyond the
-    warm-up call; LLM uses 1).
+    warm-up call; LLM uses 1). catch_up(b): an EAGLE head's reading of one position it skipped, in 1-token target
+    steps at batch b (CATCH_UP_POSITIONS of one request in one forward, after a target step); 0 for other drafts,
+    whose catch-up AdaptiveK counts as free.
     """
 
     def __init__(self, target_model, draft, k_max: int, max_batch_size: int, vocab_size: int, dtype, device,
                  context: int = 128, repeats: int = 3):
         self.k_max, self.max_batch_size = k_max, max_batch_size
         self.table: dict[int, tuple[float, list[float]]] = {}  # bucket -> (c, verify costs)
+        self.catch_up_table: dict[int, float] = {}  # bucket -> one caught-up position's cost in target steps
         t0 = time.perf_counter()
         bench = CostBench(target_model, {"draft": draft}, k_max, max_batch_size, context, vocab_size, dtype, device)
+        position_s = 0.0  # seconds a head takes to read one position it skipped
+        runner = bench.drafts["draft"]
+        if isinstance(runner, HeadRunner):
+            step = runner.cost_catch_up(CATCH_UP_POSITIONS)
+            position_s = min(_time_after(step, 1, lambda: bench.target.step(1, 1))
+                             for _ in range(1 + repeats)) / CATCH_UP_POSITIONS
         for b in sorted({self.bucket(n) for n in range(1, max_batch_size + 1)}):
             costs = bench.measure(b, repeats, verify_ks=[1, k_max])  # the fit is a line: its two ends
-            values = torch.tensor([costs["c"]["draft"]] + [costs["verify_ratio_fit"][k] for k in
-                                                              range(1, k_max + 1)], dtype=torch.float64)
+            values = torch.tensor([costs["c"]["draft"]] + [costs["verify_ratio_fit"][k] for k in range(1, k_max + 1)]
+                                  + [position_s * 1e3 / costs["target_step_ms"]], dtype=torch.float64)
             tp = get_tp_group()
             if tp.world_size > 1:  # every rank must choose the same k: rank 0's timings
                 values = tp.broadcast(values.to(tp.device)).cpu()
-            self.table[b] = (float(values[0]), [1.0] + values[1:].tolist())
+            self.table[b] = (float(values[0]), [1.0] + values[1:-1].tolist())
+            self.catch_up_table[b] = float(values[-1])
         self.measure_s = time.perf_counter() - t0
 
     def bucket(self, batch_size: int) -> int:
@@ -215,3 +226,7 @@ class MeasuredCosts:
 
     def __call__(self, batch_size: int) -> tuple[float, list[float]]:
         return self.table[self.bucket(batch_size)]
+
+    def catch_up(self, batch_size: int) -> float:
+        """One position a head skipped, read in a probe's catch-up, in 1-token target steps at this batch size."""
+        return self.catch_up_table[self.bucket(batch_size)]

@@ -125,6 +125,15 @@ class HeadRunner:
         """A runner over the same weights with a KV cache of its own."""
         return HeadRunner(self.weights, self.target, num_slots, max_len, self.device)
 
+    def cost_catch_up(self, positions: int):
+        """A timer for the head reading `positions` new positions of one request (slot 0, from position 0) in one
+        forward, fc applied: what a probe after a pause costs it per request (spec_decode/costs.py)."""
+        feat = torch.zeros(positions, len(self.cfg.feature_layers) * self.cfg.hidden_size)
+
+        def step():
+            self.forward([0], [0], [[0] * positions], [feat], fused=True)
+        return step
+
     def cost_step(self, batch_size: int, context: int):
         """A timer for one draft step of batch_size requests after `context` positions (spec_decode/costs.py): the
         first of a proposal, on the target's captured states (fc applied; later steps skip it)."""
