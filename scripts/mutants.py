@@ -30,6 +30,8 @@ ENGINE = "minispec/engine/engine.py"
 REQUEST = "minispec/engine/request.py"
 
 EXACT = ["tests/test_rejection_sampler.py", "-k", "exact_law and torch"]
+EXACT_CPP = ("tests/test_rejection_sampler.py", "-k", "exact_law and cpp")
+FUSED = "minispec/kernels/fused_cpu.cpp"
 TRITON = ["tests/test_rejection_sampler.py", "-k", "probes_triton"]
 
 
@@ -73,13 +75,16 @@ MUTANTS = [
     Mutant("triton: accept when u * q <= 1.05 * p", SAMPLER,
            "acc = ok & (u * qd < pd)", "acc = ok & (u * qd <= 1.05 * pd)", tuple(TRITON)),
     # ---- the rejection sampler: C++ kernel (what runs on CPU; each mutant rebuilds the extension)
-    Mutant("cpp: accept when u * q <= 1.05 * p", "minispec/kernels/fused_cpu.cpp",
-           "if (ok && up[r * K + n] * qp[j * V + d] < pp[j * V + d]) {",
-           "if (ok && up[r * K + n] * qp[j * V + d] <= 1.05f * pp[j * V + d]) {",
-           ("tests/test_rejection_sampler.py", "-k", "exact_law and cpp")),
-    Mutant("cpp: stale / -1 drafts replaced by a residual draw", "minispec/kernels/fused_cpu.cpp",
-           "        final_ok = ok;\n", "        final_ok = true;\n",
-           ("tests/test_rejection_sampler.py", "-k", "exact_law and cpp")),
+    Mutant("cpp: accept when u * q <= 1.05 * p", FUSED, "if (ok && up[r * K + n] * qp[j * V + d] < pp[j * V + d]) {",
+           "if (ok && up[r * K + n] * qp[j * V + d] <= 1.05f * pp[j * V + d]) {", EXACT_CPP),
+    Mutant("cpp: stale / -1 drafts replaced by a residual draw", FUSED, "        final_ok = ok;\n",
+           "        final_ok = true;\n", EXACT_CPP),
+    Mutant("cpp: every row's Exp(1) noise from the first row's seed", FUSED,
+           "const uint64_t seed = static_cast<uint64_t>(sp[n]);", "const uint64_t seed = static_cast<uint64_t>(sp[0]);",
+           ("tests/test_sampling.py", "-k", "exp_noise")),
+    Mutant("cpp: attention's query group scored with its neighbour's query", FUSED,
+           "qc[g] = _mm256_loadu_ps(q + g * hd + c);", "qc[g] = _mm256_loadu_ps(q + ((g + 1) % G) * hd + c);",
+           ("tests/test_fused_cpu.py", "-k", "rope_cache_attend")),
     # ---- p and q
     Mutant("top-p applied to the target but not to q", SAMPLER,
            "probs_from_logits(draft_logits, t, k, p)", "probs_from_logits(draft_logits, t, k, torch.ones_like(p))",
@@ -132,6 +137,9 @@ MUTANTS = [
            "    rows = [reqs[i].random.position_noise(len(reqs[i].token_ids), num_steps, vocab) for i in idx]",
            "    rows = [reqs[i].random.position_noise(len(reqs[i].token_ids) + 1, num_steps, vocab) for i in idx]",
            ("tests/test_lossless.py::test_coupled_sampling_matches_target_law",)),
+    Mutant("adaptive k: a probe's catch-up not priced", "minispec/spec_decode/adaptive.py",
+           "        return pending * self.catch_up_cost(len(reqs)) / max(1, self.probe_every)",
+           "        return 0.0 * pending", ("tests/test_playground.py", "-k", "catch_up")),
     # ---- the EAGLE head proposer
     Mutant("head: drafts drawn with mass outside the draft vocabulary, whose cached q is 0",
            "minispec/spec_decode/head.py",
