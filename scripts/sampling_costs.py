@@ -5,9 +5,9 @@ replace, timed side by side in one process (medians).
     python scripts/sampling_costs.py --requests 16 --drafts 0  # a batch of 16 sampling without drafts
 
 Pieces: the Exp(1) noise of a step (numpy PCG64 doubles and log1p, against exponentials), the probabilities p
-(probs_from_logits on its torch path against temperature_softmax), the exponential race (torch against exp_race), the rejection sampler on
-p and q (rejection_sample_ref against rejection_sample_cpu), and rejection_sample from logits with every C++ piece
-off and on.
+(probs_from_logits on its torch path against temperature_softmax), the exponential race (torch against exp_race),
+the rejection sampler on p and q (rejection_sample_ref against rejection_sample_cpu), and rejection_sample from
+logits with every C++ piece off and on.
 """
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ def main() -> None:
     pieces = [
         ("Exp(1) noise [n, V]", lambda: numpy_noise(gens, vocab), lambda: exponentials(gens, vocab)),
         ("p = probs_from_logits (softmax(logits / T))", without_cpp(probs), probs),
-        ("race argmax(p / noise) at the bonus rows", lambda: (p[cu[1:] - 1] / noise.clamp(sampler.NOISE_MIN,
-                                                                                          sampler.NOISE_MAX)).argmax(-1),
+        ("race argmax(p / noise) at the bonus rows",
+         lambda: (p[cu[1:] - 1] / noise.clamp(sampler.NOISE_MIN, sampler.NOISE_MAX)).argmax(-1),
          lambda: sampler.sample(p[cu[1:] - 1].contiguous(), noise)),
         ("rejection sampler on p, q", lambda: rs.rejection_sample_ref(p, q, draft_tokens, None, cu, u[:, :k], noise),
          lambda: rs.rejection_sample_cpu(p, q, draft_tokens, None, cu, u[:, :k], noise)),

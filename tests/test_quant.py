@@ -176,6 +176,42 @@ def test_narrower_builds_equal_float32_layer(isa, flags):
     tokens, finite = ext.greedy_argmax(logits)  # fused_cpu.cpp's, built the same way
     assert torch.equal(tokens, torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1))
     assert finite.tolist() == [True, False, False]
+    narrower_sampling_and_attention(ext)
+
+
+def narrower_sampling_and_attention(ext):
+    """fused_cpu.cpp's sampling kernels and attention in a narrower build: the noise and the rejection sampler equal
+    their references exactly, the softmax within 5e-7 relative, the attention within 1e-5 of this CPU's build."""
+    import numpy as np
+
+    from minispec.sample.random import exp_noise_numpy
+    from minispec.sample.sampler import NOISE_MAX, NOISE_MIN
+    from minispec.spec_decode.rejection_sampler import rejection_sample_ref
+
+    g = torch.Generator().manual_seed(5)
+    seeds = np.array([3, 2**64 - 5], dtype=np.uint64)
+    noise = ext.exp_noise(torch.from_numpy(seeds.view(np.int64)), 1001)
+    assert torch.equal(noise, torch.from_numpy(exp_noise_numpy(seeds, 1001)))
+    p, q = (torch.softmax(2 * torch.randn(5, 1001, generator=g), -1) for _ in range(2))
+    assert torch.equal(ext.exp_race(p[:2].contiguous(), noise, NOISE_MIN, NOISE_MAX),
+                       (p[:2] / noise.clamp(NOISE_MIN, NOISE_MAX)).argmax(-1))
+    cu, drafts = torch.tensor([0, 3, 5]), torch.tensor([int(q[0].argmax()), 7, -1, 1500, -1])
+    u = torch.rand(2, 2, generator=g)
+    want = rejection_sample_ref(p, q, drafts, None, cu, u, noise)
+    got = ext.rejection_sample_probs(p, q, drafts, torch.empty(0, dtype=torch.bool), cu, u, noise, NOISE_MIN,
+                                     NOISE_MAX)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    logits, t = 3 * torch.randn(2, 1001, generator=g), torch.tensor([0.7, 1.3])
+    probs, ok = ext.temperature_softmax(logits, t)
+    want = torch.softmax(logits / t[:, None], -1)
+    assert ok.all() and ((probs - want).abs() <= 5e-7 * want + 1e-30).all()
+    n_heads, n_kv, hd, ctx = 9, 3, 64, 20
+    args = (torch.randn(2, (n_heads + 2 * n_kv) * hd, generator=g), torch.randn(2, hd // 2, 2, generator=g))
+    caches = [torch.randn(3, 32, n_kv, hd, generator=g) for _ in range(2)]
+    idx = (torch.tensor([ctx, 32 + ctx]), torch.tensor([ctx, ctx]), torch.tensor([0, 1]))
+    mine = ops().rope_cache_attend(args[0].clone(), args[1], *[c.clone() for c in caches], *idx, n_heads, n_kv, 0.125)
+    theirs = ext.rope_cache_attend(args[0].clone(), args[1], *[c.clone() for c in caches], *idx, n_heads, n_kv, 0.125)
+    torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(TYPES))
