@@ -60,53 +60,17 @@ inline float sum_f32(const float* a, int64_t n) {
   return s;
 }
 
-#ifdef MS_AVX2
-// o[0 .. 8 NC) = inv * sum_s p[s] v_s[0 .. 8 NC) over keys s < n_keys (rows at stride ld floats).
-template <int NC>
-inline void weighted_sum(const float* p, const float* v, int64_t ld, int64_t n_keys, float inv, float* o) {
-  __m256 acc[NC];
-  for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < n_keys; ++s) {
-    const __m256 w = _mm256_set1_ps(p[s]);
-    for (int c = 0; c < NC; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + s * ld + 8 * c), acc[c]);
-  }
-  for (int c = 0; c < NC; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
-}
-#endif
-
-// One query head's attention: p[s] = q . k_s * scale for keys s < n_keys (rows at stride ld floats),
-// softmax over p, o = sum_s p[s] v_s / sum_s p[s]. p has room for n_keys scores; o has hd floats.
+// One query head's attention, the portable path (no AVX2, or hd % 8 != 0; attend_group otherwise): p[s] = q . k_s *
+// scale for keys s < n_keys (rows at stride ld floats), softmax over p, o = sum_s p[s] v_s / sum_s p[s]. p has room for
+// n_keys scores; o has hd floats.
 void attend_head(const float* q, const float* k, const float* v, int64_t ld, int64_t n_keys, int64_t hd,
                  float scale, float* p, float* o) {
   int64_t s = 0;
-#ifdef MS_AVX2
-  const bool simd = hd % 8 == 0;
-  if (simd) {  // 4 keys at a time: 4 independent chains, one horizontal reduction for the 4 scores
-    for (; s + 4 <= n_keys; s += 4) {
-      __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t c = 0; c < hd; c += 8) {
-        const __m256 qc = _mm256_loadu_ps(q + c);
-        for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + (s + j) * ld + c), a[j]);
-      }
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-      const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  // keys s..s+3
-      _mm_storeu_ps(p + s, _mm_mul_ps(r, _mm_set1_ps(scale)));
-    }
-  }
-#endif
   for (; s < n_keys; ++s) p[s] = dot(q, k + s * ld, hd) * scale;
   float m = -INFINITY;
   for (s = 0; s < n_keys; ++s) m = std::max(m, p[s]);
   for (s = 0; s < n_keys; ++s) p[s] = exp_f32(p[s] - m);
   const float inv = 1.0f / sum_f32(p, n_keys);
-#ifdef MS_AVX2
-  if (simd) {  // 64 output values (8 registers) per pass over the values, then 8 at a time
-    int64_t c0 = 0;
-    for (; c0 + 64 <= hd; c0 += 64) weighted_sum<8>(p, v + c0, ld, n_keys, inv, o + c0);
-    for (; c0 < hd; c0 += 8) weighted_sum<1>(p, v + c0, ld, n_keys, inv, o + c0);
-    return;
-  }
-#endif
   std::fill(o, o + hd, 0.f);
   for (s = 0; s < n_keys; ++s) {
     const float* vs = v + s * ld;
@@ -117,8 +81,8 @@ void attend_head(const float* q, const float* k, const float* v, int64_t ld, int
 }
 
 #ifdef MS_AVX2
-// o_g[0 .. 8 NC) = inv[g] * sum_s p_g[s] v_s[0 .. 8 NC) for the G query heads g of one KV head (p_g = p + g * ps,
-// o_g = o + g * hd): weighted_sum's floats for each head, every value row loaded once for the G.
+// o_g[0 .. 8 NC) = inv[g] * sum_s p_g[s] v_s[0 .. 8 NC) over keys s < n_keys (value rows at stride ld floats) for the
+// G query heads g of one KV head (p_g = p + g * ps, o_g = o + g * hd): every value row loaded once for the G.
 template <int G, int NC>
 inline void weighted_sum_group(const float* p, int64_t ps, const float* v, int64_t ld, int64_t n_keys, const float* inv,
                                float* o, int64_t hd) {
@@ -137,14 +101,14 @@ inline void weighted_sum_group(const float* p, int64_t ps, const float* v, int64
     for (int c = 0; c < NC; c++) _mm256_storeu_ps(o + g * hd + 8 * c, _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
 }
 
-// The G query heads q_g = q + g * hd of one KV head (GQA) at once, each the same floats as attend_head's: every key
-// and value row is read once for the G heads instead of once per head. hd % 8 == 0; p has room for G * n_keys
-// scores; o_g = o + g * hd.
+// Attention of the G query heads q_g = q + g * hd of one KV head (GQA) at once: p_g[s] = q_g . k_s * scale, softmax,
+// o_g = sum_s p_g[s] v_s / sum_s p_g[s]; every key and value row is read once for the G heads. hd % 8 == 0; p has
+// room for G * n_keys scores; o_g = o + g * hd.
 template <int G>
 void attend_group(const float* q, const float* k, const float* v, int64_t ld, int64_t n_keys, int64_t hd, float scale,
                   float* p, float* o) {
   int64_t s = 0;
-  for (; s + 4 <= n_keys; s += 4) {  // 4 keys at a time, as attend_head; the G queries share each key load
+  for (; s + 4 <= n_keys; s += 4) {  // 4 keys at a time, 4 chains a head; the G queries share each key load
     __m256 a[G][4];
     for (int g = 0; g < G; g++)
       for (int j = 0; j < 4; j++) a[g][j] = _mm256_setzero_ps();
@@ -617,24 +581,29 @@ torch::Tensor rope_cache_attend(torch::Tensor qkv, torch::Tensor cos_sin, torch:
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rs[b] >= 0 && rs[b] < k_cache.size(0), "read slot out of range");
   const float sc = static_cast<float>(scale);
 #ifdef MS_AVX2
-  if (hd % 8 == 0 && g >= 2 && g <= 4) {  // one unit = one token's KV head and its g query heads
+  if (hd % 8 == 0) {  // one unit = one token's KV head and its g query heads, up to 4 of them a pass
     const int64_t units = T * n_kv_heads;
     at::parallel_for(0, units, std::max<int64_t>(1, 32768 / (g * max_keys * hd)), [&](int64_t begin, int64_t end) {
-      std::vector<float> p(g * max_keys);
+      std::vector<float> p(std::min<int64_t>(g, 4) * max_keys);
       for (int64_t u = begin; u < end; ++u) {
         const int64_t t = u / n_kv_heads, kvh = u % n_kv_heads;
         const int64_t base = (rs[t / L] * max_len) * kv_row + kvh * hd;
-        const float* qg = q + t * width + kvh * g * hd;
-        float* og = op + t * n_heads * hd + kvh * g * hd;
-        if (g == 2) attend_group<2>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og);
-        else if (g == 3) attend_group<3>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og);
-        else attend_group<4>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og);
+        for (int64_t h0 = kvh * g; h0 < (kvh + 1) * g; h0 += 4) {
+          const float* qg = q + t * width + h0 * hd;
+          float* og = op + t * n_heads * hd + h0 * hd;
+          switch (std::min<int64_t>(4, (kvh + 1) * g - h0)) {
+            case 1: attend_group<1>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og); break;
+            case 2: attend_group<2>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og); break;
+            case 3: attend_group<3>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og); break;
+            default: attend_group<4>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og);
+          }
+        }
       }
     });
     return out;
   }
 #endif
-  // One unit = one token's query head (over its KV head h / g).
+  // The portable path: one unit = one token's query head (over its KV head h / g).
   const int64_t units = T * n_heads, unit_work = max_keys * hd;
   at::parallel_for(0, units, std::max<int64_t>(1, 32768 / unit_work), [&](int64_t begin, int64_t end) {
     std::vector<float> p(max_keys);
