@@ -2,7 +2,8 @@
 # The CUDA path in one run:   scripts/gpu_check.sh [--dry-run | --prepare-wheels]
 #
 # On a CUDA machine, within 8 minutes (each stage has a time budget, all of them GPU_CHECK_BUDGET_S = 460 s
-# at most), writes one log per stage and summary.txt to $OUT if it is set, else to ./gpu-check-out:
+# at most), writes one log per stage and summary.txt to $OUT if it is set, else to ./gpu-check-out (under $OUT,
+# where at most 8 files come back, the stage logs end as one all-logs.txt):
 #   env        versions, the device, whether the Triton kernels are compiled (JITFunction) or interpreted
 #   compile    (dry run only) every Triton kernel compiled for sm_90 with the engine's launch signatures
 #   prepare    an early-exit draft for the target: its first layer with its own embedding, norm and head
@@ -161,6 +162,10 @@ SUMMARY=$OUT_DIR/summary.txt
     [ "$status" = ok ] || { echo "  -- last lines of $name.log:"; tail -n 15 "$log" | sed 's/^/  | /'; }
   done
 } >"$SUMMARY"
+if [ -n "${OUT:-}" ]; then  # the device tool returns at most 8 files: one file of every log
+  for log in "$OUT_DIR"/*.log; do echo "==== $(basename "$log")"; cat "$log"; done >"$OUT_DIR/all-logs.txt"
+  rm -f "$OUT_DIR"/*.log
+fi
 echo
 cat "$SUMMARY"
 exit "$FAILED"
