@@ -25,6 +25,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quantization", default=None,
                    help="the same for a draft model; int8 / int4 pack an EAGLE head's weights")
     p.add_argument("--ngram-min", type=int, default=1, help="smallest n-gram matched by --draft ngram")
+    p.add_argument("--draft-min-confidence", type=float, default=0.0,
+                   help="an EAGLE head drafts while its probability of the drafts stays at least this (lossless; "
+                        "0.1 measured best at batch 1; default 0: every request drafts its k)")
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=None,
                    help="speculation length per step from running acceptance and measured costs; turns "
                         "speculation off where it does not pay (default: on with the target's chosen proposer, off with --draft)")
@@ -116,7 +119,8 @@ def build_llm(args):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len,
                ngram_n=(args.ngram_min, args.ngram_max), adaptive_k=args.adaptive_k,
-               quantization=args.quantization, draft_quantization=args.draft_quantization)
+               quantization=args.quantization, draft_quantization=args.draft_quantization,
+               draft_min_confidence=args.draft_min_confidence)
 
 
 def main(argv: list[str] | None = None) -> int:

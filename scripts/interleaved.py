@@ -9,7 +9,7 @@ the first.
 Variants: default (LLM()), target (draft=None), capture (the default's head attached, k always 0: the cost of
 capturing its states), k1 .. k4 (the head at a fixed k; k2@int4 with the head at int4).
 "default:prior_weight=8,probe_every=16" is the default with those attributes of its k policy (AdaptiveK) or proposer
-set after it is built.
+set after it is built; "k4:min_confidence=0.3" the head at k = 4 with that proposer attribute.
 """
 from __future__ import annotations
 
@@ -26,27 +26,29 @@ from minispec.sampling_params import SamplingParams
 
 
 def build(name: str, target, b: int) -> LLM:
-    """The LLM a variant names, over the loaded target."""
+    """The LLM a variant names, over the loaded target; settings after ':' set attributes of its k policy or
+    proposer."""
     base, _, settings = name.partition(":")
+    k, _, quant = base.partition("@")
     if base == "default":
         llm = LLM(target, max_num_seqs=b)
-        for item in filter(None, settings.split(",")):
-            key, value = item.split("=")
-            owner = next((o for o in (llm.engine.k_policy, llm.engine.proposer) if hasattr(o, key)), None)
-            if owner is None:
-                raise SystemExit(f"{name}: neither the default's k policy nor its proposer has an attribute {key!r}")
-            setattr(owner, key, None if value == "None" else int(value) if value.isdigit() else float(value))
-        return llm
-    if name == "target":
-        return LLM(target, draft=None, max_num_seqs=b)
-    if name == "capture":
-        return LLM(target, draft="smollm2-135m-instruct-eagle3", draft_quantization="int8", max_num_seqs=b,
-                   k_policy=lambda reqs: [0] * len(reqs))
-    k, _, quant = name.partition("@")
-    if k in ("k1", "k2", "k3", "k4"):
-        return LLM(target, draft="smollm2-135m-instruct-eagle3", draft_quantization=quant or "int8", max_num_seqs=b,
-                   num_speculative_tokens=int(k[1]))
-    raise SystemExit(f"unknown variant {name!r}: default, target, capture, k1..k4 (k2@int4: the head at int4)")
+    elif base == "target":
+        llm = LLM(target, draft=None, max_num_seqs=b)
+    elif base == "capture":
+        llm = LLM(target, draft="smollm2-135m-instruct-eagle3", draft_quantization="int8", max_num_seqs=b,
+                  k_policy=lambda reqs: [0] * len(reqs))
+    elif k in ("k1", "k2", "k3", "k4"):
+        llm = LLM(target, draft="smollm2-135m-instruct-eagle3", draft_quantization=quant or "int8", max_num_seqs=b,
+                  num_speculative_tokens=int(k[1]))
+    else:
+        raise SystemExit(f"unknown variant {name!r}: default, target, capture, k1..k4 (k2@int4: the head at int4)")
+    for item in filter(None, settings.split(",")):
+        key, value = item.split("=")
+        owner = next((o for o in (llm.engine.k_policy, llm.engine.proposer) if hasattr(o, key)), None)
+        if owner is None:
+            raise SystemExit(f"{name}: neither the k policy nor the proposer has an attribute {key!r}")
+        setattr(owner, key, None if value == "None" else int(value) if value.isdigit() else float(value))
+    return llm
 
 
 def main() -> None:

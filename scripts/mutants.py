@@ -150,6 +150,14 @@ MUTANTS = [
     Mutant("head: each position read with the token at it instead of the one after", "minispec/spec_decode/head.py",
            "            tokens.append(r.token_ids[start + 1 : n + 1])", "            tokens.append(r.token_ids[start : n])",
            ("tests/test_head.py::test_proposals_are_the_head_on_the_accepted_context",)),
+    Mutant("head gate: a sampled draft cut for its own low probability (biases the draws)", "minispec/spec_decode/head.py",
+           "                keep &= confidence * top >= self.min_confidence",
+           "                keep &= confidence * probs[torch.arange(len(reqs)), torch.from_numpy(rows_j)].cpu().numpy()"
+           " >= self.min_confidence",
+           ("tests/test_lossless.py", "-k", "head_sampling")),
+    Mutant("head gate: each draft judged alone, not with the drafts before it", "minispec/spec_decode/head.py",
+           "                keep &= confidence * top >= self.min_confidence", "                keep = top >= self.min_confidence",
+           ("tests/test_head.py", "-k", "confidence_gate")),
     # ---- draft="auto" (llm.py)
     Mutant("auto: the head taken whatever its predicted speedup", "minispec/llm.py",
            "        pays = pred >= AUTO_MIN_SPEEDUP", "        pays = True",

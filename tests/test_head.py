@@ -145,6 +145,47 @@ def test_proposals_are_the_head_on_the_accepted_context(target, version, draft_v
         torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("min_confidence", [0.02, 0.05])
+def test_confidence_gate_cuts_where_the_heads_probability_falls(target, min_confidence):
+    """min_confidence: a greedy proposal keeps draft j only while the product of the head's probabilities of drafts
+    1 .. j (read back from the cached logits) is at least the bound, the rest are -1, the engine verifies the kept
+    drafts alone, and greedy output equals the target's alone."""
+    head = make_tiny_head(target.config, version=3, draft_vocab_size=100, seed=2)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [10, 11, 12], list(range(20, 40))]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = LLM(target, draft=None).generate(prompts, sp)
+    llm = LLM(target, draft=head, num_speculative_tokens=3, max_num_seqs=4)
+    eng = llm.engine
+    rec = Recorder(eng.proposer.runner, eng.target, 3, min_confidence=min_confidence)
+    eng.proposer = rec
+    out = llm.generate(prompts, sp)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    kept = 0
+    for _, drafts, got in rec.seen:
+        n = next((j for j, d in enumerate(drafts) if d < 0), len(drafts))
+        assert all(d < 0 for d in drafts[n:])
+        p = torch.softmax(got, -1).amax(-1)  # [k] the head's probability of its greedy draft at each step
+        assert float(p[:n].prod()) >= min_confidence
+        if n < len(drafts):
+            assert float(p[: n + 1].prod()) < min_confidence
+        kept += n
+    cut = sum(d < 0 for _, drafts, _ in rec.seen for d in drafts)
+    assert kept > 0 and cut > 0  # the bound cut some proposals and left drafts in others
+    assert sum(o.metrics["num_draft_tokens"] for o in out) <= kept
+
+
+def test_draft_min_confidence_reaches_the_head_and_its_policy(target):
+    head = make_tiny_head(target.config, version=3, draft_vocab_size=100, seed=2)
+    llm = LLM(target, draft=head, num_speculative_tokens=3, draft_min_confidence=0.05, adaptive_k=True)
+    assert llm.engine.proposer.min_confidence == 0.05 and llm.engine.k_policy.draft_to_k_max
+    plain = LLM(target, draft=head, num_speculative_tokens=3, adaptive_k=True)
+    assert plain.engine.proposer.min_confidence == 0.0 and not plain.engine.k_policy.draft_to_k_max
+    with pytest.raises(ValueError, match=r"draft_min_confidence must be in \[0, 1\)"):
+        LLM(target, draft=head, draft_min_confidence=1.0)
+    with pytest.raises(ValueError, match="not a head"):
+        LLM(target, draft="ngram", draft_min_confidence=0.1)
+
+
 def test_int8_head_is_lossless_and_smaller(target):
     head = make_tiny_head(target.config, version=3, draft_vocab_size=128, seed=3)
     prompts = [[5, 6, 7], list(range(30, 50))]

@@ -255,7 +255,8 @@ HEAD_SETTINGS = [SETTINGS[0], SETTINGS[6]]
 
 @pytest.mark.parametrize("name, settings, k", HEAD_SETTINGS, ids=[s[0] for s in HEAD_SETTINGS])
 def test_head_sampling_matches_target_law(target_dir, hf_models, name, settings, k):
-    """An EAGLE-3 head drafting over 20 of the 32 tokens (q = 0 on the others) keeps the target's laws."""
+    """An EAGLE-3 head drafting over 20 of the 32 tokens (q = 0 on the others) keeps the target's laws; at T = 1 it
+    stops drafting where its probability of the drafts falls below 0.1 (HeadProposer.min_confidence)."""
     from minispec.models.loader import load_model
     from minispec.tools.tiny import make_tiny_head
 
@@ -264,12 +265,18 @@ def test_head_sampling_matches_target_law(target_dir, hf_models, name, settings,
     idx = [s[0] for s in HEAD_SETTINGS].index(name)
     llm = LLM(target, draft=head, num_speculative_tokens=k, max_num_seqs=256, max_num_batched_tokens=4096,
               seed=700_000_000 + 1_000_000 * idx)
+    gated = idx == 0
+    if gated:
+        llm.engine.proposer.min_confidence = 0.1
     exact = ExactLaws(*hf_models, SamplingParams(**settings))
     counts, outs = sample_counts(llm, settings)
-    check_marginals(f"head k={k} {name}", counts, exact.target())
+    check_marginals(f"head k={k} {name}" + (" gated" if gated else ""), counts, exact.target())
     accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
     drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
+    verifications = sum(o.metrics["num_spec_verifications"] for o in outs)
     assert drafted >= N and 0 < accepted < drafted
+    if gated:  # the gate cut some proposals short
+        assert drafted < k * verifications
 
 
 def test_tp2_sampling_matches_target_law(target_dir, draft_dir, hf_models, tmp_path):

@@ -148,12 +148,18 @@ class HeadRunner:
 class HeadProposer:
     """Drafts with an EAGLE head from the target's captured hidden states (see the module docstring)."""
 
-    def __init__(self, runner: HeadRunner, target_runner: ModelRunner, k: int, lookup: tuple[int, int] | None = None):
+    def __init__(self, runner: HeadRunner, target_runner: ModelRunner, k: int, lookup: tuple[int, int] | None = None,
+                 min_confidence: float = 0.0):
         """lookup: (min_n, max_n) of a prompt lookup tried first (a request with a match drafts from it this step, and
-        its head catches up later), or None."""
+        its head catches up later), or None. min_confidence: a request keeps draft j only while the head's
+        probability of drafts 1 .. j - 1 times the largest probability of its law for draft j (each under the
+        head's softmax) is at least this; that draft and the rest are -1 (greedy: the head's probability of drafts
+        1 .. j). Lossless: whether a draft is kept depends on the drafts before it and on its law, never on its own
+        value (cutting a sampled draft for its own low q would bias the draws the rejection sampler checks)."""
         self.runner = runner
         self.k = k
         self.lookup = lookup
+        self.min_confidence = min_confidence
         self.vocab_size = runner.target.vocab_size
         # slot -> (first position p0, buffer [capacity, C * H], n): the states of positions p0 .. p0 + n - 1 are
         # buffer[:n]; the buffer doubles when full, so a head kept off by adaptive k costs O(1) a step, not O(n)
@@ -218,7 +224,9 @@ class HeadProposer:
         greedy = all(r.params.greedy for r in reqs)
         sampling = None if greedy else BatchSampling([r.params for r in reqs], self.runner.device)
         coupled = [None] * num_steps if greedy else coupled_noise(reqs, num_steps, self.vocab_size)
-        drafts = np.empty((len(reqs), num_steps), dtype=np.int64)  # [num_reqs, num_steps]
+        drafts = np.full((len(reqs), num_steps), -1, dtype=np.int64)  # [num_reqs, num_steps]
+        confidence = np.ones(len(reqs))  # [num_reqs] the head's probability of each request's drafts so far
+        keep = np.ones(len(reqs), dtype=bool)  # [num_reqs] still drafting (min_confidence)
         slots = [r.slot for r in reqs]
         starts, tokens, feats = [], [], []
         for r in reqs:
@@ -240,12 +248,23 @@ class HeadProposer:
             else:
                 cache.write_subset(rows, j, ours, self.runner.draft_ids)
             if greedy:  # the argmax over the draft vocabulary's rows: a sixth of the full row's work
-                drafts[:, j] = self.runner.host_draft_ids[greedy_tokens(logits)[0].cpu().numpy()]
+                rows_j = greedy_tokens(logits)[0].cpu().numpy()  # [num_reqs] draft-vocabulary rows
+                tok = self.runner.host_draft_ids[rows_j]
             else:  # drawn from the full row, as the rejection sampler recomputes q from the cache
                 tok = draw_drafts(self.runner.full_vocab(logits, self.vocab_size), sampling, u[:, j], coupled[j])
-                drafts[:, j] = tok.cpu().numpy()
+                tok = tok.cpu().numpy()
+                rows_j = tok if self.runner.identity_vocab else np.searchsorted(self.runner.host_draft_ids, tok)
+            drafts[:, j] = tok
+            if self.min_confidence > 0:
+                probs = torch.softmax(logits.float(), -1)  # [num_reqs, draft_vocab]
+                top = probs.amax(-1).cpu().numpy()  # [num_reqs] the law's largest probability, not the draw's
+                keep &= confidence * top >= self.min_confidence
+                confidence *= probs[torch.arange(len(reqs)), torch.from_numpy(rows_j)].cpu().numpy()
+                drafts[~keep, j] = -1
+                if not keep.any():
+                    break
             starts = [s + len(t) for s, t in zip(starts, tokens)]
-            tokens = [[int(t)] for t in drafts[:, j]]
+            tokens = [[int(t)] for t in tok]  # a stopped request's row still feeds its drawn token: a valid id
             feats = hidden.split(1)  # [1, H] each
             fused = False
         for r in reqs:
