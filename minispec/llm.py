@@ -140,9 +140,8 @@ class LLM:
     GGUF loaded packed is already quantised: ValueError (load it with packed=False to re-quantise).
     draft_quantization: the same for a draft model or head ("auto" picks the shipped head's; see DRAFT_FOR_TARGET).
     draft_min_confidence: a head's gate (HeadProposer.min_confidence, lossless): a request keeps drafting while the
-    head's probability of its drafts stays at least this; 0 (default): every request drafts its k. With adaptive k
-    the policy then only turns drafting on (k) or off and the gate ends each request's drafts. At batch 1 the head
-    at k = 4 with 0.1 ran 1.25-1.35x target-only greedy (1.13x without), 1.10x at T = 0.8 (docs/experiments.md).
+    head's probability of its drafts stays at least this; 0 (default): every request drafts its k. At batch 1 the
+    head at k = 4 with 0.1 ran 1.25-1.35x target-only greedy (1.13x without), 1.10x at T = 0.8 (docs/experiments.md).
     Self-drafts: draft="self-int8" | "self-int4" | "self-int4:N" | "self:N" is the target's own copy with its
     dense weights quantised and / or only N layers, derived from the loaded target (no second load, the same
     tokenizer); lossless like any draft.
@@ -285,8 +284,7 @@ class LLM:
             measured = self.draft.model
         costs = MeasuredCosts(self.target.model, measured, proposer.k, max_num_seqs, self.target.vocab_size,
                               torch_dtype, self.device, repeats=1)
-        return AdaptiveK(proposer.k, cost_model=costs, catch_up_cost=costs.catch_up,
-                         draft_to_k_max=getattr(proposer, "min_confidence", 0.0) > 0)
+        return AdaptiveK(proposer.k, cost_model=costs, catch_up_cost=costs.catch_up)
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -176,10 +176,9 @@ def test_confidence_gate_cuts_where_the_heads_probability_falls(target, min_conf
 
 def test_draft_min_confidence_reaches_the_head_and_its_policy(target):
     head = make_tiny_head(target.config, version=3, draft_vocab_size=100, seed=2)
-    llm = LLM(target, draft=head, num_speculative_tokens=3, draft_min_confidence=0.05, adaptive_k=True)
-    assert llm.engine.proposer.min_confidence == 0.05 and llm.engine.k_policy.draft_to_k_max
-    plain = LLM(target, draft=head, num_speculative_tokens=3, adaptive_k=True)
-    assert plain.engine.proposer.min_confidence == 0.0 and not plain.engine.k_policy.draft_to_k_max
+    assert LLM(target, draft=head, num_speculative_tokens=3, draft_min_confidence=0.05).engine.proposer.min_confidence \
+        == 0.05
+    assert LLM(target, draft=head, num_speculative_tokens=3).engine.proposer.min_confidence == 0.0
     with pytest.raises(ValueError, match=r"draft_min_confidence must be in \[0, 1\)"):
         LLM(target, draft=head, draft_min_confidence=1.0)
     with pytest.raises(ValueError, match="not a head"):

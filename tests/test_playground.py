@@ -221,23 +221,6 @@ def test_adaptive_tracks_each_request():
     assert 0 < pol.mean_k() < 4
 
 
-def test_adaptive_with_a_gated_proposer_drafts_k_max_or_none():
-    """draft_to_k_max: where some k pays the policy asks for k_max (the proposer's gate ends the drafts), probes stay
-    at one draft, and a step whose gate kept no draft is no observation (an n-gram miss without it is a failure)."""
-    costs = [1.0, 1.5, 1.8, 2.1, 2.4]  # at acceptance 0.5 k = 1 is best: 1.5 tokens for 1.5 steps... and k = 2
-    plain = AdaptiveK(4, verify_costs=costs, prior_alpha=0.6, decay=1.0)
-    gated = AdaptiveK(4, verify_costs=costs, prior_alpha=0.6, decay=1.0, draft_to_k_max=True)
-    assert 0 < plain.choose([0.6]) < 4
-    a, b = _fake_request("a"), _fake_request("b")
-    assert plain([a]) == [plain.choose([0.6])] and gated([b]) == [4]
-    plain([a]), gated([b])  # asked, verified none
-    assert plain.alpha("a") < 0.6 and gated.alpha("b") == pytest.approx(0.6)
-    off = AdaptiveK(4, draft_cost=0.3, verify_costs=[1.0, 1.5, 2.0, 2.5, 3.0], probe_every=3, prior_alpha=0.0,
-                    draft_to_k_max=True)
-    x = _fake_request("x")
-    assert [off([x])[0] for _ in range(3)] == [0, 0, 1]  # a probe: one draft
-
-
 def test_adaptive_prices_the_drafts_catch_up_into_its_probes():
     """A probe makes the draft read every position it skipped (num_computed - num_draft_computed): with catch_up_cost
     that reading, spread over probe_every steps, must be payable too. At acceptance 0.9 drafting pays alone (k = 4:

@@ -150,9 +150,7 @@ class AdaptiveK(KPolicy):
     given. overhead_decay: how fast the measured step overhead forgets old steps. probe_alpha: no probes where
     drafting could not pay even at this acceptance. catch_up_cost: batch_size -> what the draft's reading of one
     position it has not seen costs, in plain decode steps at that batch size (MeasuredCosts.catch_up), or None
-    (free). draft_to_k_max: for a proposer with a confidence gate (HeadProposer.min_confidence): where drafting pays,
-    ask for k_max and let the gate end each request's drafts; a request whose gate kept none is no observation.
-    See the module docstring.
+    (free). See the module docstring.
     """
 
     observes_steps = True
@@ -172,7 +170,6 @@ class AdaptiveK(KPolicy):
         pool_decay: float = 0.95,
         probe_alpha: float = 0.9,
         catch_up_cost=None,
-        draft_to_k_max: bool = False,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
@@ -193,7 +190,6 @@ class AdaptiveK(KPolicy):
         self.probe_every = probe_every
         self.probe_alpha = probe_alpha  # the acceptance at which drafting must be able to pay for a probe
         self.catch_up_cost = catch_up_cost
-        self.draft_to_k_max = draft_to_k_max
         self.probe_gap = probe_every  # steps off before the next probe (doubles after each probe that stays off)
         self.pool_decay = pool_decay
         self.pool = np.zeros(2)  # decayed (successes, trials) of every request's observations
@@ -319,8 +315,7 @@ class AdaptiveK(KPolicy):
                                                          trials=self.prior_weight)
         if m.num_spec_verifications > s.seen_verifications:  # the last step verified drafts of ours: one observation
             self.observe(req.req_id, m.num_draft_tokens - s.seen_draft_tokens, m.num_accepted_tokens - s.seen_accepted)
-        elif s.asked and not self.draft_to_k_max:  # asked, got none (an n-gram miss): a failed run; under
-            # draft_to_k_max the proposer's gate kept none, which says nothing of the drafts it keeps
+        elif s.asked:  # asked for drafts, got none (an n-gram miss): nothing to accept, a failed run
             self.observe(req.req_id, s.asked, 0)
         s.seen_verifications, s.seen_draft_tokens = m.num_spec_verifications, m.num_draft_tokens
         s.seen_accepted = m.num_accepted_tokens
@@ -337,10 +332,7 @@ class AdaptiveK(KPolicy):
             self._update(r)
         if not reqs:
             return []
-        best = self.choose([self.alpha(r.req_id) for r in reqs])
-        k = self._probe(best, self.forward_costs(len(reqs)), reqs)
-        if self.draft_to_k_max and best > 0:  # the proposer's gate ends each request's drafts (probes stay at 1)
-            k = self.k_max
+        k = self._probe(self.choose([self.alpha(r.req_id) for r in reqs]), self.forward_costs(len(reqs)), reqs)
         for r in reqs:
             self.states[r.req_id].asked = k
         self.counts[k] += len(reqs)
