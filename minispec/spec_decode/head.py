@@ -48,6 +48,8 @@ class HeadRunner:
         self.rotary = RotaryEmbedding(SimpleNamespace(rope_theta=cfg.rope_theta), cfg.head_dim, device=device)
         self.draft_ids = self.weights.draft_ids.to(device)  # [draft_vocab] target id of each row
         self.host_draft_ids = self.weights.draft_ids.cpu().numpy()  # [draft_vocab] the same, for host bookkeeping
+        self.host_draft_rows = np.full(target_model.vocab_size, -1, dtype=np.int64)  # [vocab] row of each id, -1 = none
+        self.host_draft_rows[self.host_draft_ids] = np.arange(len(self.host_draft_ids))
         self.identity_vocab = bool((self.draft_ids == torch.arange(target_model.vocab_size, device=device)).all()) \
             if cfg.draft_vocab_size == target_model.vocab_size else False
         self.forward_s = 0.0
@@ -253,7 +255,7 @@ class HeadProposer:
             else:  # drawn from the full row, as the rejection sampler recomputes q from the cache
                 tok = draw_drafts(self.runner.full_vocab(logits, self.vocab_size), sampling, u[:, j], coupled[j])
                 tok = tok.cpu().numpy()
-                rows_j = tok if self.runner.identity_vocab else np.searchsorted(self.runner.host_draft_ids, tok)
+                rows_j = self.runner.host_draft_rows[tok]  # q is 0 outside the draft vocabulary: never drawn there
             drafts[:, j] = tok
             if self.min_confidence > 0:
                 probs = torch.softmax(logits.float(), -1)  # [num_reqs, draft_vocab]
