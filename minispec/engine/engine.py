@@ -445,7 +445,6 @@ class Engine:
         cache.assign(torch.from_numpy(slots).to(self.device), slots)
         drafts = self.proposer.propose(reqs, cache, max(ks))  # [num_reqs, max(ks)]
         for r, d, k in zip(reqs, drafts, ks):
-            d = d[:k]
-            n = int(np.flatnonzero(d >= 0)[-1]) + 1 if (d >= 0).any() else 0  # trailing -1s cost rows, give nothing
-            r.drafts = d[:n] if n else None
+            drafted = np.flatnonzero(d[:k] >= 0)  # trailing -1s cost rows and give nothing
+            r.drafts = d[: drafted[-1] + 1] if len(drafted) else None
         return asked

@@ -255,9 +255,11 @@ class HeadProposer:
             else:  # drawn from the full row, as the rejection sampler recomputes q from the cache
                 tok = draw_drafts(self.runner.full_vocab(logits, self.vocab_size), sampling, u[:, j], coupled[j])
                 tok = tok.cpu().numpy()
-                rows_j = self.runner.host_draft_rows[tok]  # q is 0 outside the draft vocabulary: never drawn there
+                rows_j = None  # looked up only where the gate reads them
             drafts[:, j] = tok
             if self.min_confidence > 0:
+                if rows_j is None:
+                    rows_j = self.runner.host_draft_rows[tok]  # q is 0 outside the draft vocabulary: never drawn there
                 probs = torch.softmax(logits.float(), -1)  # [num_reqs, draft_vocab]
                 top = probs.amax(-1).cpu().numpy()  # [num_reqs] the law's largest probability, not the draw's
                 keep &= confidence * top >= self.min_confidence
