@@ -11,6 +11,7 @@
 #include "cpu_ops.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -686,42 +687,45 @@ inline void amx_scales(Blocks<QT> b, float* d, float* m) {
 
 // x's three limbs as B tiles, tile l of block g holding limb l of rows [0, mc) of x (stride ldx, mc <= 16) in its
 // columns m: xb[((3 g + l) 16 + kp) 16 + m] is the dword at pair kp; sxT[16 g + m] the block sums of x. Columns from mc
-// on are 0. False where a nonzero x is not finite or below 2^-100 in magnitude (a limb would be subnormal, or the
-// split undefined): the caller takes another path.
+// on are 0. Each tile row is one gather of a pair's two values across the rows of x, split and stored whole; the
+// blocks are shared among the threads. False where a nonzero x is not finite or below 2^-100 in magnitude (a limb
+// would be subnormal, or the split undefined): the caller takes another path.
 template <int64_t QT>
 bool amx_x_tiles(const float* x, int64_t ldx, int64_t mc, int64_t G, uint32_t* xb, float* sxT) {
-  const __mmask16 unused = (__mmask16)(0xFFFF << mc);
+  const __mmask16 used = (__mmask16)((1u << mc) - 1);
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32((int)ldx));  // [16] row m's first value
   const __m512i mask = _mm512_set1_epi32((int)0xFFFF0000u);
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   const __m512 tiny = _mm512_set1_ps(std::ldexp(1.0f, -100)), inf = _mm512_set1_ps(INFINITY);
-  __mmask16 bad = 0;
-  for (int64_t i = 0; i < G * 3 * 16; i++) _mm512_mask_storeu_epi32(xb + 16 * i, unused, _mm512_setzero_si512());
-  for (int64_t g = 0; g < G; g++) _mm512_mask_storeu_ps(sxT + 16 * g, unused, _mm512_setzero_ps());
-  alignas(64) uint32_t limb[3][16];
-  for (int64_t m = 0; m < mc; m++)
-    for (int64_t g = 0; g < G; g++) {
-      const __m512 x0 = _mm512_loadu_ps(x + m * ldx + g * GROUP), x1 = _mm512_loadu_ps(x + m * ldx + g * GROUP + 16);
-      for (const __m512 v : {x0, x1}) {
-        const __m512 a = _mm512_abs_ps(v);
-        bad |= _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ) | (_mm512_cmp_ps_mask(a, tiny, _CMP_LT_OQ) &
-                                                           _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ));
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, G, 4, [&](int64_t g0, int64_t g1) {
+    __mmask16 bad = 0;
+    for (int64_t g = g0; g < g1; g++) {
+      const float* xg = x + g * GROUP;
+      __m512 sum = _mm512_setzero_ps();  // [16] block g's sum of each row of x
+      for (int kp = 0; kp < 16; kp++) {
+        const int ka = PAIRS_HALVES<QT> ? kp : 2 * kp, kb = PAIRS_HALVES<QT> ? 16 + kp : 2 * kp + 1;
+        const __m512 a = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), used, at, xg + ka, 4);  // [16] x[m, k_a(kp)]
+        const __m512 b = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), used, at, xg + kb, 4);  // [16] x[m, k_b(kp)]
+        sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
+        __m512i la[3], lb[3];
+        for (auto [v, l] : {std::pair<__m512, __m512i*>{a, la}, {b, lb}}) {
+          const __m512 av = _mm512_abs_ps(v);
+          bad |= _mm512_cmp_ps_mask(av, inf, _CMP_NLT_UQ) | (_mm512_cmp_ps_mask(av, tiny, _CMP_LT_OQ) &
+                                                              _mm512_cmp_ps_mask(av, _mm512_setzero_ps(), _CMP_NEQ_UQ));
+          l[0] = _mm512_and_si512(_mm512_castps_si512(v), mask);
+          const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(l[0]));  // exact
+          l[1] = _mm512_and_si512(_mm512_castps_si512(r), mask);
+          l[2] = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(l[1])));  // exact, 8 significant bits
+        }
+        for (int l = 0; l < 3; l++)
+          _mm512_storeu_si512(xb + ((3 * g + l) * 16 + kp) * 16, _mm512_or_si512(_mm512_srli_epi32(la[l], 16), lb[l]));
       }
-      sxT[16 * g + m] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
-      const __m512 a = PAIRS_HALVES<QT> ? x0 : _mm512_permutex2var_ps(x0, even, x1);  // [16] x[k_a(kp)]
-      const __m512 b = PAIRS_HALVES<QT> ? x1 : _mm512_permutex2var_ps(x0, odd, x1);   // [16] x[k_b(kp)]
-      __m512i la[3], lb[3];
-      for (auto [v, l] : {std::pair<__m512, __m512i*>{a, la}, {b, lb}}) {
-        l[0] = _mm512_and_si512(_mm512_castps_si512(v), mask);
-        const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(l[0]));  // exact
-        l[1] = _mm512_and_si512(_mm512_castps_si512(r), mask);
-        l[2] = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(l[1])));  // exact, 8 significant bits
-      }
-      for (int l = 0; l < 3; l++) _mm512_store_si512(limb[l], _mm512_or_si512(_mm512_srli_epi32(la[l], 16), lb[l]));
-      for (int l = 0; l < 3; l++)
-        for (int kp = 0; kp < 16; kp++) xb[((3 * g + l) * 16 + kp) * 16 + m] = limb[l][kp];
+      _mm512_storeu_ps(sxT + 16 * g, sum);
     }
-  return bad == 0;
+    if (bad) ok.store(false, std::memory_order_relaxed);
+  });
+  return ok.load();
 }
 
 // Weight rows [16 t, 16 t + 16) for t in [t0, t1) against one chunk of rows of x (mc of them) in amx_x_tiles' B
