@@ -25,9 +25,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quantization", default=None,
                    help="the same for a draft model; int8 / int4 pack an EAGLE head's weights")
     p.add_argument("--ngram-min", type=int, default=1, help="smallest n-gram matched by --draft ngram")
-    p.add_argument("--draft-min-confidence", type=float, default=0.0,
+    p.add_argument("--draft-min-confidence", type=float, default=None,
                    help="an EAGLE head drafts while its probability of the drafts stays at least this (lossless; "
-                        "0.1 measured best at batch 1; default 0: every request drafts its k)")
+                        "0: every request drafts its k; default: 0.1 for the auto head, else 0)")
     p.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=None,
                    help="speculation length per step from running acceptance and measured costs; turns "
                         "speculation off where it does not pay (default: on with the target's chosen proposer, off with --draft)")

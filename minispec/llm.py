@@ -39,6 +39,8 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "auto"  # the proposer DRAFT_FOR_TARGET names for the target where it is predicted to pay, else none
 AUTO_MIN_SPEEDUP = 1.15  # the predicted batch-1 speedup at k = 1 from which "auto" speculates (above 1: the Zen 4
 # measured 0.91-0.95 of the bench's prediction, docs/experiments.md, fourteenth session)
+AUTO_MIN_CONFIDENCE = 0.1  # the "auto" head's gate (draft_min_confidence); at batch 1 with adaptive k's k_max it
+# led the estimate alone by 1-15 % over three runs on the Intel AMX kind, parity at 4 and 16 (docs/experiments.md)
 HEAD_WITH_LOOKUP = "+ngram"  # draft="HEAD+ngram": prompt lookup (matches of 2+ tokens) where it finds one, else the head
 # target alias -> (an EAGLE head that ships for it, its quantisation): what "auto" measures
 DRAFT_FOR_TARGET: dict[str, tuple[str, str | None]] = {
@@ -140,8 +142,9 @@ class LLM:
     GGUF loaded packed is already quantised: ValueError (load it with packed=False to re-quantise).
     draft_quantization: the same for a draft model or head ("auto" picks the shipped head's; see DRAFT_FOR_TARGET).
     draft_min_confidence: a head's gate (HeadProposer.min_confidence, lossless): a request keeps drafting while the
-    head's probability of its drafts stays at least this; 0 (default): every request drafts its k. At batch 1 the
-    head at k = 4 with 0.1 ran 1.25-1.35x target-only greedy (1.13x without), 1.10x at T = 0.8 (docs/experiments.md).
+    head's probability of its drafts stays at least this; 0: every request drafts its k. None (default):
+    AUTO_MIN_CONFIDENCE for the "auto" head, else 0. With the gate, adaptive k gives a lone request k_max and lets the
+    gate set the length (AdaptiveK's gated).
     Self-drafts: draft="self-int8" | "self-int4" | "self-int4:N" | "self:N" is the target's own copy with its
     dense weights quantised and / or only N layers, derived from the loaded target (no second load, the same
     tokenizer); lossless like any draft.
@@ -166,12 +169,14 @@ class LLM:
         packed: bool | None = None,
         quantization: str | None = None,
         draft_quantization: str | None = None,
-        draft_min_confidence: float = 0.0,
+        draft_min_confidence: float | None = None,
         k_policy=None,
         observer: Observer | None = None,
     ):
         auto = isinstance(draft, str) and draft == "auto"
         draft, draft_quantization, adaptive_k = resolve_draft(target, draft, draft_quantization, adaptive_k, k_policy)
+        if draft_min_confidence is None:
+            draft_min_confidence = AUTO_MIN_CONFIDENCE if auto else 0.0
         check_options(draft, num_speculative_tokens, max_num_seqs, draft_dtype, quantization, draft_quantization)
         if not 0.0 <= draft_min_confidence < 1.0:
             raise ValueError(f"draft_min_confidence must be in [0, 1), got {draft_min_confidence}")
@@ -284,7 +289,8 @@ class LLM:
             measured = self.draft.model
         costs = MeasuredCosts(self.target.model, measured, proposer.k, max_num_seqs, self.target.vocab_size,
                               torch_dtype, self.device, repeats=1)
-        return AdaptiveK(proposer.k, cost_model=costs, catch_up_cost=costs.catch_up)
+        return AdaptiveK(proposer.k, cost_model=costs, catch_up_cost=costs.catch_up,
+                         gated=getattr(proposer, "min_confidence", 0.0) > 0)
 
     @property
     def num_speculative_tokens(self) -> int:

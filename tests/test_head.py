@@ -179,6 +179,8 @@ def test_draft_min_confidence_reaches_the_head_and_its_policy(target):
     assert LLM(target, draft=head, num_speculative_tokens=3, draft_min_confidence=0.05).engine.proposer.min_confidence \
         == 0.05
     assert LLM(target, draft=head, num_speculative_tokens=3).engine.proposer.min_confidence == 0.0
+    gated = LLM(target, draft=head, num_speculative_tokens=3, adaptive_k=True, draft_min_confidence=0.05)
+    assert gated.engine.k_policy.gated and not LLM(target, draft=head, adaptive_k=True).engine.k_policy.gated
     with pytest.raises(ValueError, match=r"draft_min_confidence must be in \[0, 1\)"):
         LLM(target, draft=head, draft_min_confidence=1.0)
     with pytest.raises(ValueError, match="not a head"):

@@ -240,6 +240,19 @@ def test_adaptive_prices_the_drafts_catch_up_into_its_probes():
     assert [priced(reqs)[0] for _ in range(9)].count(1) >= 1
 
 
+def test_gated_policy_gives_a_lone_request_k_max_and_a_batch_its_estimate():
+    """gated (the head cuts its own drafts): a lone request drafts k_max whatever its running acceptance, wherever
+    drafting can pay at all (at probe_alpha 0.9), and never where it cannot; two requests get the estimate's k."""
+    cheap, dear = [1.0, 1.2, 1.4, 1.6, 1.8], [1.0, 3.0, 5.0, 7.0, 9.0]  # k = 4 at 0.9 pays: 4.1 tokens; dear: not
+    gated = AdaptiveK(4, verify_costs=cheap, prior_alpha=0.05, gated=True)
+    plain = AdaptiveK(4, verify_costs=cheap, prior_alpha=0.05)
+    one, two = [_fake_request(0)], [_fake_request(1), _fake_request(2)]
+    assert [gated(one)[0] for _ in range(6)] == [4] * 6
+    assert [plain(one)[0] for _ in range(2)] == [0, 0]  # acceptance 0.05: the estimate turns drafting off
+    assert gated(two) == [0, 0]
+    assert [AdaptiveK(4, verify_costs=dear, gated=True)(one)[0] for _ in range(3)] == [0] * 3
+
+
 def test_adaptive_batch_choice_and_measured_overhead():
     """One k for the batch maximises summed expected tokens per step cost; the step overhead measured in
     the engine's steps (speculative over plain) scales the cost of drafting and can turn it off."""
