@@ -158,6 +158,10 @@ MUTANTS = [
     Mutant("head gate: each draft judged alone, not with the drafts before it", "minispec/spec_decode/head.py",
            "                keep &= confidence * top >= self.min_confidence", "                keep = top >= self.min_confidence",
            ("tests/test_head.py", "-k", "confidence_gate")),
+    Mutant("gated adaptive k: a lone request drafts k_max even where drafting cannot pay",
+           "minispec/spec_decode/adaptive.py",
+           "            k = self.k_max if self.can_pay(costs, self.catch_up(reqs)) else 0", "            k = self.k_max",
+           ("tests/test_playground.py", "-k", "gated_policy")),
     # ---- draft="auto" (llm.py)
     Mutant("auto: the head taken whatever its predicted speedup", "minispec/llm.py",
            "        pays = pred >= AUTO_MIN_SPEEDUP", "        pays = True",
