@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from minispec.distill.head_data import load_records, read_manifest
-from minispec.models.eagle import EagleHead, HeadConfig, load_head, save_head
+from minispec.models.eagle import EagleHead, HeadConfig, draft_rows, load_head, save_head
 from minispec.tools.config import field_help
 from minispec.tools.metrics import tau_from_acceptance
 
@@ -248,8 +248,7 @@ def evaluate_head(path: Path, eval_data: Path, features: str, steps: int, batch_
     recs = greedy_records(eval_data)  # before the target loads, so bad data fails at once
     target, cols, feature_layers = target_and_features([eval_data], features)
     head = init_head(path, target, feature_layers)
-    t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
-    t2d[head.draft_ids] = torch.arange(len(head.draft_ids))
+    t2d = draft_rows(head.draft_ids, target.vocab_size)
     return evaluate(head, target_embeddings(target), Batches(recs, batch_tokens, steps, t2d, cols, 0), steps)
 
 
@@ -276,8 +275,7 @@ def train(cfg: HeadTrainConfig, resume: bool = False, progress: bool = True, log
     else:
         draft_ids = draft_vocabulary(train_recs, cfg.draft_vocab, target.vocab_size)
         head = new_head(target, draft_ids, feature_layers)
-    t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
-    t2d[draft_ids] = torch.arange(len(draft_ids))
+    t2d = draft_rows(draft_ids, target.vocab_size)
     coverage = sum(int((t2d[r["ids"][r["start"]:].long()] >= 0).sum()) for r in eval_recs) / \
         max(1, sum(len(r["ids"]) - r["start"] for r in eval_recs))
     emb_table = target_embeddings(target)

@@ -196,6 +196,13 @@ class EagleHead(nn.Module):
         return outs
 
 
+def draft_rows(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] the draft-vocabulary row of each target id (draft_ids [draft_vocab] inverted), -1 outside it."""
+    rows = torch.full((vocab_size,), -1, dtype=torch.long)
+    rows[draft_ids.cpu().long()] = torch.arange(len(draft_ids))
+    return rows
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, -1)
     return torch.cat([-b, a], -1)

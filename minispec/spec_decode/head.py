@@ -23,7 +23,7 @@ from minispec.layers.attention import AttentionMetadata, ForwardBatch, attention
 from minispec.kernels.ggml import F32
 from minispec.layers.quant import PackedWeight, linear
 from minispec.layers.rotary import RotaryEmbedding
-from minispec.models.eagle import EagleHead, InferenceWeights
+from minispec.models.eagle import EagleHead, InferenceWeights, draft_rows
 from minispec.runner.kv_cache import KVCache
 from minispec.runner.model_runner import ModelRunner
 from minispec.spec_decode.draft_logits import DraftLogitsCache
@@ -48,8 +48,7 @@ class HeadRunner:
         self.rotary = RotaryEmbedding(SimpleNamespace(rope_theta=cfg.rope_theta), cfg.head_dim, device=device)
         self.draft_ids = self.weights.draft_ids.to(device)  # [draft_vocab] target id of each row
         self.host_draft_ids = self.weights.draft_ids.cpu().numpy()  # [draft_vocab] the same, for host bookkeeping
-        self.host_draft_rows = np.full(target_model.vocab_size, -1, dtype=np.int64)  # [vocab] row of each id, -1 = none
-        self.host_draft_rows[self.host_draft_ids] = np.arange(len(self.host_draft_ids))
+        self.host_draft_rows = draft_rows(self.weights.draft_ids, target_model.vocab_size).numpy()  # [vocab] -1: none
         self.identity_vocab = bool((self.draft_ids == torch.arange(target_model.vocab_size, device=device)).all()) \
             if cfg.draft_vocab_size == target_model.vocab_size else False
         self.forward_s = 0.0
