@@ -179,15 +179,26 @@ MUTANTS = [
            "    for (int64_t g = 4 * runs; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)",
            "    for (int64_t g = G; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)"),
       ]),
-    # ---- the AMX tiles (packed_cpu.cpp, 9+ rows of x): only where the CPU has them, else their tests skip
+    # ---- the AMX tiles (packed_cpu.cpp: the tiled layout, others at 9+ rows of x): only where the CPU has them,
+    # else their tests skip (the tiled layout's tile_rows mutant runs everywhere)
     *([Mutant("AMX: x's last bf16 limb dropped", "minispec/kernels/packed_cpu.cpp",
-              "        l[2] = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(l[1])));  // exact, 8 significant bits",
-              "        l[2] = _mm512_setzero_si512();",
+              "  l[2] = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(l[1])));  // exact, 8 significant bits",
+              "  l[2] = _mm512_setzero_si512();",
               ("tests/test_quant.py", "-k", "amx_tiles_equal")),
        Mutant("AMX: x below 2^-100 (subnormal limbs) not refused", "minispec/kernels/packed_cpu.cpp",
-              "_mm512_set1_ps(std::ldexp(1.0f, -100))", "_mm512_set1_ps(std::ldexp(1.0f, -149))",
-              ("tests/test_quant.py", "-k", "amx_refuses"))]
+              "_mm512_set1_ps(0x1p-100f)", "_mm512_set1_ps(0x1p-149f)",
+              ("tests/test_quant.py", "-k", "amx_refuses")),
+       Mutant("AMX tiled: a chunk's third nibble looked up as its second", "minispec/kernels/packed_cpu.cpp",
+              "_mm512_srli_epi16(w, 8), table", "_mm512_srli_epi16(w, 4), table",
+              ("tests/test_quant.py", "-k", "amx_tiles_equal and tiles")),
+       Mutant("AMX tiled: the middle limb's row of C left out of x's sum", "minispec/kernels/packed_cpu.cpp",
+              "_mm512_load_ps(c + 16 * (3 * i + 1))", "_mm512_setzero_ps()",
+              ("tests/test_quant.py", "-k", "amx_tiles_equal and tiles"))]
       if "amx_bf16" in open("/proc/cpuinfo").read() else []),
+    Mutant("tiled layout: a word's third and fourth nibbles swapped by tile_rows", "minispec/layers/quant.py",
+           "torch.tensor([0, 4, 8, 12], dtype=torch.int32).view(4, 1)",
+           "torch.tensor([0, 4, 12, 8], dtype=torch.int32).view(4, 1)",
+           ("tests/test_quant.py", "-k", "tiled_rows_hold")),
 ]
 
 

@@ -26,6 +26,7 @@ import torch
 
 from minispec.kernels import build_cpp
 from minispec.kernels.cpu import CFLAGS, SOURCES, ops
+from minispec.kernels.ggml import SPLIT_OF
 from minispec.layers.quant import PackedWeight, type_name
 from minispec.models.loader import load_model
 
@@ -95,13 +96,16 @@ def main() -> None:
     if not loaded:
         raise SystemExit(f"{args.target} has no packed weights (load a .gguf)")
     files = [w.joined() for w in loaded]
-    # (name, build, weights): the loaded layout, the file's, and the baseline's build on the loaded layout where
-    # it reads split rows, else on the file's
+    splits = [f.split() if f.qtype in SPLIT_OF else f for f in files]
+    # (name, build, weights): the loaded layout, the split one where the loaded is tiled, the file's, and the
+    # baseline's build on split rows where it reads them, else on the file's
     builds = [("loaded", this, loaded)]
+    if any(w.tiled for w in loaded):
+        builds.append(("split", this, splits))
     if any(w.qtype != f.qtype for w, f in zip(loaded, files)):
         builds.append(("file", this, files))
     if args.baseline:
-        builds.append(("baseline", baseline, loaded if getattr(baseline, "PACKED_SPLIT", False) else files))
+        builds.append(("baseline", baseline, splits if getattr(baseline, "PACKED_SPLIT", False) else files))
     if args.resident:
         return resident(builds, args.rows, args.reps)
     ws = loaded

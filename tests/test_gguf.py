@@ -12,6 +12,7 @@ from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 from minispec.kernels.cpu import ops
 from minispec.kernels.ggml import Q4_1, Q4_1_SPLIT, Q8_0
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from minispec.layers.quant import kernel_qtype
 from minispec.layers.quant import PackedWeight
 from minispec.models.errors import ModelLoadError
 from minispec.layers.rotary import rope_parameters
@@ -69,21 +70,31 @@ def test_packed_model_equals_float32_model(qtype, tmp_path):
 
 
 def test_q4_layers_load_in_the_kernels_layout(tmp_path, monkeypatch):
-    """Q4 layers load split where the AVX-512 one-row kernel reads them so (the embedding's Q8_0 stays), with the
-    file's values: the same logits as the file's layout (MINISPEC_FILE_LAYOUT=1), abs 1e-5."""
-    path = make_tiny_gguf(tmp_path / "m.gguf", "Q4_1", types={"token_embd.weight": "Q8_0"})
-    split = load_model(path, dtype=torch.float32, device="cpu").model
-    monkeypatch.setenv("MINISPEC_FILE_LAYOUT", "1")
-    file = load_model(path, dtype=torch.float32, device="cpu").model
-    w = split.layers[0].gate_up_proj.weight
-    assert file.layers[0].gate_up_proj.weight.qtype == Q4_1 and split.embed_tokens.weight.qtype == Q8_0
-    assert w.qtype == (Q4_1_SPLIT if ops() is not None and ops().PACKED_SPLIT else Q4_1)
-    assert torch.equal(w.dequantize(), file.layers[0].gate_up_proj.weight.dequantize())
-    ids = prompt(12, seed=3)
-    for M in (12, 1):
-        a = run(split, new_kv(split), [0], [0], [ids[:M]])[0]
-        b = run(file, new_kv(file), [0], [0], [ids[:M]])[0]
-        assert (a - b).abs().max().item() <= 1e-5
+    """Q4 layers load tiled where the AMX kernel runs them (whole groups of 16 rows), else split where the AVX-512
+    one-row kernel reads them so; an embedding (looked up by rows) never tiles, and its Q8_0 stays. The file's values:
+    the same logits as the file's layout (MINISPEC_FILE_LAYOUT=1) and the split one (MINISPEC_NO_TILES=1), abs 1e-5."""
+    for embed in ("Q8_0", "Q4_1"):
+        path = make_tiny_gguf(tmp_path / f"m-{embed}.gguf", "Q4_1", types={"token_embd.weight": embed})
+        monkeypatch.delenv("MINISPEC_NO_TILES", raising=False)
+        monkeypatch.delenv("MINISPEC_FILE_LAYOUT", raising=False)
+        kernel = load_model(path, dtype=torch.float32, device="cpu").model
+        w = kernel.layers[0].gate_up_proj.weight
+        assert w.qtype == kernel_qtype(Q4_1, "cpu", w.shape[0])
+        monkeypatch.setenv("MINISPEC_NO_TILES", "1")
+        split = load_model(path, dtype=torch.float32, device="cpu").model
+        monkeypatch.setenv("MINISPEC_FILE_LAYOUT", "1")
+        file = load_model(path, dtype=torch.float32, device="cpu").model
+        assert file.layers[0].gate_up_proj.weight.qtype == Q4_1
+        assert w.tiled == (ops() is not None and ops().packed_amx())
+        assert split.layers[0].gate_up_proj.weight.qtype == (Q4_1_SPLIT if ops() is not None and ops().PACKED_SPLIT else Q4_1)
+        assert not kernel.embed_tokens.weight.tiled and (embed == "Q4_1" or kernel.embed_tokens.weight.qtype == Q8_0)
+        ids = prompt(12, seed=3)
+        for model in (kernel, split):
+            assert torch.equal(model.layers[0].gate_up_proj.weight.dequantize(), file.layers[0].gate_up_proj.weight.dequantize())
+            for M in (12, 1):
+                a = run(model, new_kv(model), [0], [0], [ids[:M]])[0]
+                b = run(file, new_kv(file), [0], [0], [ids[:M]])[0]
+                assert (a - b).abs().max().item() <= 1e-5
 
 
 def rank(r: int, tp: int):

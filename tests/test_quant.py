@@ -9,11 +9,13 @@ from gguf import GGML_QUANT_SIZES, quants
 
 from minispec.kernels import build_cpp
 from minispec.kernels.cpu import CFLAGS, SOURCES, ops
-from minispec.kernels.ggml import PACKED_TYPES, SPLIT_OF, file_type
-from minispec.layers.quant import PackedWeight, dequantize_ref, join_rows, kernel_layout, linear, linear_ref
+from minispec.kernels.ggml import PACKED_TYPES, SPLIT_OF, TILES_OF, file_type
+from minispec.layers.quant import (PackedWeight, dequantize_ref, join_rows, kernel_layout, kernel_qtype, linear, linear_ref,
+                                  untile_rows)
 
 TYPES = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0, "F16": T.F16, "BF16": T.BF16}
 SPLIT = {"Q4_0 split": "Q4_0", "Q4_1 split": "Q4_1"}  # the memory-only layouts, made from gguf's rows
+TILES = {"Q4_0 tiles": "Q4_0", "Q4_1 tiles": "Q4_1"}  # ... in groups of 16 rows (n a multiple of 16)
 LAYOUTS = list(TYPES) + list(SPLIT)
 # Activation rows that reach each path of the C++ op: one row; AVX-512 tiles of 4 weight rows (2-5 rows of x),
 # of 2 (6-8), 8 and a remainder (9, 17), chunks of 64 rows of x (70); AVX2 tiles of 8 and 4; and, past the
@@ -22,10 +24,14 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 70, 258]
 
 
 def packed(name: str, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, np.ndarray]:
-    """A random [n, k] weight quantised by gguf (split for a SPLIT name), and gguf's own dequantisation of it."""
+    """A random [n, k] weight quantised by gguf (split for a SPLIT name, tiled for a TILES one), and gguf's own
+    dequantisation of it."""
     if name in SPLIT:
         w, ref = packed(SPLIT[name], n, k, seed)
         return w.split(), ref
+    if name in TILES:
+        w, ref = packed(TILES[name], n, k, seed)
+        return w.as_type(TILES_OF[w.qtype]), ref
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02).astype(np.float32)
     raw = quants.quantize(w, TYPES[name])  # [n, row bytes] uint8 (F16: float16, BF16: uint16 values)
@@ -256,6 +262,30 @@ def test_split_rows_hold_the_files_bytes(name):
     assert s.to("cpu").qtype == s.qtype
 
 
+@pytest.mark.parametrize("name", list(TILES))
+def test_tiled_rows_hold_the_files_bytes(name):
+    """tile_rows only reorders a group's bytes: untile_rows gives the file's rows back, the values dequantise as gguf's,
+    kernel_layout tiles exactly where the AMX kernel runs and the rows are whole groups of 16, a tiled weight refuses
+    other row counts, and its rows / columns / permuted rows come out as the file's would."""
+    w, ref = packed(TILES[name], 48, 320)
+    t = w.as_type(TILES_OF[w.qtype])
+    assert t.tiled and t.data.shape == w.data.shape and not torch.equal(t.data, w.data)
+    assert torch.equal(untile_rows(t.data, t.qtype), w.data) and torch.equal(t.joined().data, w.data)
+    assert torch.equal(t.split().joined().data, w.data)
+    assert torch.equal(dequantize_ref(t.data, t.qtype, 320), torch.from_numpy(ref))
+    assert torch.equal(t.dequantize(), torch.from_numpy(ref))  # the C++ op's tiled unpacking where built
+    amx = ops() is not None and ops().packed_amx()
+    assert kernel_layout(w).qtype == (t.qtype if amx else kernel_qtype(w.qtype, "cpu"))
+    assert kernel_layout(w.rows(0, 40)).qtype != t.qtype and kernel_qtype(w.qtype, "cpu", None) != t.qtype
+    with pytest.raises(ValueError, match="whole groups of 16 rows; got 40"):
+        PackedWeight(w.data[:40].clone(), t.qtype, 320)
+    assert torch.equal(t.rows(16, 32).data, t.data[16:48]) and t.rows(16, 32).tiled  # whole groups: a view
+    assert torch.equal(t.rows(3, 21).joined().data, w.data[3:24])  # else the file's rows
+    assert torch.equal(t.cols(64, 96).joined().data, w.cols(64, 96).data) and t.cols(64, 96).tiled
+    flip = t.permute_rows(lambda d: d.flip(0))
+    assert flip.tiled and torch.equal(flip.joined().data, w.data.flip(0))
+
+
 @pytest.mark.parametrize("name", list(SPLIT))
 @pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 18, 48])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
@@ -284,7 +314,7 @@ def amx_or_skip():
 def layer64(w: PackedWeight, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The float64 dequantised weight [n, k] and the scale of the kernels' rounding [n, k]: |d q| + |m| per value
     (Q4_0: m = -8 d), since they compute d (q . x) + m sum(x) per block (Q8_0: |d q|)."""
-    raw = w.joined().data.view(n, k // 32, -1) if w.qtype in SPLIT_OF.values() else w.data.view(n, k // 32, -1)
+    raw = w.joined().data.view(n, k // 32, -1)
     d = raw[..., 0:2].contiguous().view(torch.float16).double()  # [N, G, 1]
     if file_type(w.qtype) == int(T.Q8_0):
         q = raw[..., 2:].contiguous().view(torch.int8).double()  # [N, G, 32]
@@ -294,44 +324,54 @@ def layer64(w: PackedWeight, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor
     return (d * q + m).view(n, k), ((d * q).abs() + m.abs()).view(n, k)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_0 split", "Q4_1 split"])
-@pytest.mark.parametrize("rows", [9, 16, 17, 33, 70, 258])
+@pytest.mark.parametrize("name,rows", [(n, r) for n in TILES for r in [1, 2, 3, 5, 6, 9, 16, 17, 33, 70, 258]] +
+                         [(n, r) for n in ["Q4_0", "Q4_1", "Q8_0", *SPLIT] for r in [9, 16, 17, 33, 70, 258]])
 @pytest.mark.parametrize("k", [32, 96, 576])
 def test_amx_tiles_equal_float64_layer(name, rows, k):
-    """The AMX path (9+ rows of x, whole groups of 16 weight rows): each x as three bf16 limbs against the bf16 codes,
-    accumulated in float32, against the float64 layer over gguf's dequantisation. Activations from 2^-99 to 1e6 with
-    exact zeros of both signs: rel tol 1e-5 of sum (|d q| + |m|) |x|. The first 8 rows hold one value each, whose
-    last limb carries about 2^-16 of it: one product and one sum, rel tol 1e-6 (a limb dropped is off by 2^-17 or more)."""
-    amx_or_skip()
+    """The AMX paths (whole groups of 16 weight rows): the tiled layout at every rows of x (one A tile a block up to 5,
+    three from 6), the others from 9; each x as three bf16 limbs against the bf16 codes, accumulated in float32,
+    against the float64 layer over gguf's dequantisation (a tiled layout off AMX takes the portable path, exact float32
+    too). Activations from 2^-99 to 1e6 with exact zeros of both signs: rel tol 1e-5 of sum (|d q| + |m|) |x|. The first
+    min(8, rows // 2) rows hold one value each, whose last limb carries about 2^-16 of it: one product and one sum,
+    rel tol 1e-6 (a limb dropped is off by 2^-17 or more)."""
+    if name not in TILES:
+        amx_or_skip()
+    elif ops() is None:
+        pytest.skip("no C++ kernels")
     n = 48
     w, _ = packed(name, n, k, seed=rows + k)
     g = torch.Generator().manual_seed(rows)
     mags = torch.cat([torch.logspace(-29.5, 6, k - 2), torch.ones(2)])  # from 2^-98 (below 2^-100 the tiles refuse x)
     signs = torch.randint(0, 2, (rows, k), generator=g) * 2 - 1
     x = signs * (0.5 + torch.rand(rows, k, generator=g)) * mags[torch.randperm(k, generator=g)]
-    x[:, 0], x[1, 1] = 0.0, -0.0
-    x[:8] = 0.0
-    for r in range(8):  # every significand bit set: limbs of 8 bits each, the last about 2^-16 of x
+    x[:, 0], x[rows // 2, 1] = 0.0, -0.0
+    single = min(8, rows // 2)
+    x[:single] = 0.0
+    for r in range(single):  # every significand bit set: limbs of 8 bits each, the last about 2^-16 of x
         x[r, (7 * r + 3) % k] = (-1) ** r * (2 - 2.0 ** -23) * 2.0 ** (5 * r - 20)
     ref, scale = layer64(w, n, k)
     got = ops().packed_linear(x, w.data, w.qtype, k).double()
     err = (got - x.double() @ ref.T).abs() / (x.double().abs() @ scale.T).clamp_min(1e-300)
-    assert float(err[8:].max()) < 1e-5 and float(err[:8].max()) < 1e-6
+    assert float(err[single:].max()) < 1e-5 and (single == 0 or float(err[:single].max()) < 1e-6)
 
 
+@pytest.mark.parametrize("name,rows", [("Q4_1 split", 12), ("Q4_1 tiles", 4), ("Q4_0 tiles", 12)])
 @pytest.mark.parametrize("case", ["tiny", "subnormal", "inf", "nan"])
-def test_amx_refuses_x_its_limbs_cannot_hold(case):
-    """x below 2^-100 (a limb would be subnormal, which the tiles read as 0), or not finite, goes to the AVX-512 path:
-    the float64 layer within rel tol 1e-5 for tiny and subnormal x (the tiles would be off by about 2^-16 for
-    x near 2^-120), and the same inf / nan as F.linear."""
+def test_amx_refuses_x_its_limbs_cannot_hold(case, name, rows):
+    """x below 2^-100 (a limb would be subnormal, which the tiles read as 0), or not finite, goes to the AVX-512 path
+    (a tiled layout: the portable one): the float64 layer within rel tol 1e-5 for tiny and subnormal x (the tiles
+    would be off by about 2^-16 for x near 2^-120), and the same inf / nan as F.linear (not inf for the portable
+    path, whose d (q . x) + m sum(x) is nan where a zero code meets an infinite x)."""
     amx_or_skip()
-    w, _ = packed("Q4_1 split", 32, 96, seed=3)
+    if case == "inf" and name in TILES:
+        pytest.skip("the portable path's d (q . x) is nan where a zero code meets an infinite x")
+    w, _ = packed(name, 32, 96, seed=3)
     ref, scale = layer64(w, 32, 96)
-    x = torch.randn(12, 96, dtype=torch.float64) * 2.0 ** -120
+    x = torch.randn(rows, 96, dtype=torch.float64) * 2.0 ** -120
     if case == "subnormal":
         x[3, 5] = 2.0 ** -140
     elif case in ("inf", "nan"):
-        x = torch.randn(12, 96, dtype=torch.float64)
+        x = torch.randn(rows, 96, dtype=torch.float64)
         x[3, 5] = float(case)
     got = ops().packed_linear(x.float(), w.data, w.qtype, 96).double()
     expected = x.float().double() @ ref.T

@@ -108,7 +108,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PACKED_ISA") = PACKED_ISA;
   m.attr("PACKED_MAX_ROWS") = PACKED_MAX_ROWS;
   m.attr("PACKED_SPLIT") = PACKED_SPLIT;
-  m.def("packed_amx", &packed_amx, "whether packed_linear takes the AMX tiles for 9+ rows of x");
+  m.def("packed_amx", &packed_amx, "whether packed_linear takes the AMX tiles (the tiled layout; 9+ rows of x in others)");
   m.def("packed_linear", &packed_linear, "x [M, K] f32 @ packed w [N, K]^T -> [M, N] f32");
   m.def("dense_linear", &dense_linear, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), "x [M, K] f32 @ w [N, K]^T f32 (+ bias) -> [M, N] f32 (each weight row read once for up to 16 rows)");
   m.def("block_formats", &block_formats, "[[GGML type id, bytes per block, values per block], ...]");

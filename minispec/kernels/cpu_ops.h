@@ -10,15 +10,23 @@ constexpr int64_t F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30;
 // Memory-only layouts of Q4_0 / Q4_1 rows, never in a file (kernels/ggml.py describes them): a row of G blocks
 // holds the G blocks' 16 code bytes each, then their G float16 scales, then (Q4_1) their G float16 minima.
 constexpr int64_t Q4_0_SPLIT = 1002, Q4_1_SPLIT = 1003;
+// ... and tiled (the AMX kernel's): rows in groups of 16, a group's block g holding the 16 rows' codes in the tiles'
+// pair order, then their float16 scales and (Q4_1) minima (packed_cpu.cpp's amx_tiled_linear describes it). Only
+// whole groups of 16 rows exist.
+constexpr int64_t Q4_0_TILES = 1004, Q4_1_TILES = 1005;
+constexpr int64_t TILE_ROWS = 16;
 constexpr int64_t GROUP = 32;  // values per block of the quantised formats
 struct BlockFormat {
   int64_t type, bytes, values;  // a block's bytes and the values it holds (F16 / BF16: one value)
 };
 constexpr BlockFormat BLOCK_FORMATS[] = {
     {Q4_0, 18, GROUP}, {Q4_1, 20, GROUP}, {Q8_0, 34, GROUP}, {F16, 2, 1}, {BF16, 2, 1},
-    {Q4_0_SPLIT, 18, GROUP}, {Q4_1_SPLIT, 20, GROUP}};
-// The file format whose values a layout holds (a split layout's; the type itself otherwise).
-constexpr int64_t file_type(int64_t qtype) { return qtype == Q4_0_SPLIT ? Q4_0 : qtype == Q4_1_SPLIT ? Q4_1 : qtype; }
+    {Q4_0_SPLIT, 18, GROUP}, {Q4_1_SPLIT, 20, GROUP}, {Q4_0_TILES, 18, GROUP}, {Q4_1_TILES, 20, GROUP}};
+// The file format whose values a layout holds (a split or tiled layout's; the type itself otherwise).
+constexpr int64_t file_type(int64_t qtype) {
+  return qtype == Q4_0_SPLIT || qtype == Q4_0_TILES ? Q4_0 : qtype == Q4_1_SPLIT || qtype == Q4_1_TILES ? Q4_1 : qtype;
+}
+constexpr bool tiled(int64_t qtype) { return qtype == Q4_0_TILES || qtype == Q4_1_TILES; }
 // qtype's format; {-1, 0, 0} where it is not a packed one.
 constexpr BlockFormat block_format(int64_t qtype) {
   for (const BlockFormat& f : BLOCK_FORMATS)
@@ -35,8 +43,8 @@ extern const char* const PACKED_ISA;
 extern const int64_t PACKED_MAX_ROWS;
 // Whether the one-row kernel reads Q4_0 / Q4_1 rows fastest split (layers/quant.py's kernel_layout).
 extern const bool PACKED_SPLIT;
-// Whether packed_linear takes the AMX tiles for 9 or more rows of x: built for a CPU with AMX-BF16, the tile state
-// granted by the kernel, MINISPEC_NO_AMX unset.
+// Whether packed_linear takes the AMX tiles (the tiled layout at any rows of x, others at 9 or more): built for a CPU
+// with AMX-BF16, the tile state granted by the kernel, MINISPEC_NO_AMX unset.
 bool packed_amx();
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);

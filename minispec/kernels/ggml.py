@@ -14,6 +14,12 @@ F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 # float16 minima: the same bytes and values as the file's row, in another order (layers/quant.py's split_rows).
 Q4_0_SPLIT, Q4_1_SPLIT = 1002, 1003
 SPLIT_OF = {Q4_0: Q4_0_SPLIT, Q4_1: Q4_1_SPLIT}
+# ... and tiled, for the AMX kernel: rows in groups of TILE_ROWS, a group's block g holding the 16 rows' codes in the
+# tiles' pair order, then their float16 scales and (Q4_1) minima (layers/quant.py's tile_rows; kernels/packed_cpu.cpp's
+# amx_tiled_linear). Only whole groups exist, and a row is not a slice of the bytes.
+Q4_0_TILES, Q4_1_TILES = 1004, 1005
+TILES_OF = {Q4_0: Q4_0_TILES, Q4_1: Q4_1_TILES}
+TILE_ROWS = 16
 GROUP = 32  # values per block of the quantised formats
 
 
@@ -34,10 +40,12 @@ PACKED_TYPES: dict[int, BlockFormat] = {
     BF16: BlockFormat("BF16", 2, 1),
     Q4_0_SPLIT: BlockFormat("Q4_0 split", 18, GROUP),
     Q4_1_SPLIT: BlockFormat("Q4_1 split", 20, GROUP),
+    Q4_0_TILES: BlockFormat("Q4_0 tiles", 18, GROUP),
+    Q4_1_TILES: BlockFormat("Q4_1 tiles", 20, GROUP),
 }
-BLOCK_TYPES = (Q4_0, Q4_1, Q8_0, Q4_0_SPLIT, Q4_1_SPLIT)  # the quantised ones: rows are whole blocks
+BLOCK_TYPES = (Q4_0, Q4_1, Q8_0, Q4_0_SPLIT, Q4_1_SPLIT, Q4_0_TILES, Q4_1_TILES)  # quantised: rows of whole blocks
 
 
 def file_type(qtype: int) -> int:
-    """The file format whose values a layout holds: a split layout's, else the type itself."""
-    return next((t for t, s in SPLIT_OF.items() if s == qtype), qtype)
+    """The file format whose values a layout holds: a split or tiled layout's, else the type itself."""
+    return next((t for t in SPLIT_OF if qtype in (SPLIT_OF[t], TILES_OF[t])), qtype)

@@ -100,6 +100,25 @@ void unpack_q4_row(const uint8_t* row, int64_t G, float* w, float* d, float* m) 
   }
 }
 
+// Unpack row n of a tiled layout (wd: its first group): w[G * 32] codes, d[G], m[G] (zero unless Q4_1), Q4_0's codes
+// shifted by -8 as unpack_q4_row's. Code k of row j (of its group) is nibble s of word 2 j + k % 2 of chunk c, for
+// k = 8 c + 2 s + k % 2 (amx_tiled_linear describes the layout).
+void unpack_tiled_row(int64_t qtype, const uint8_t* wd, int64_t n, int64_t G, float* w, float* d, float* m) {
+  const int64_t tb = TILE_ROWS * block_format(qtype).bytes, j = n % TILE_ROWS;  // bytes of one block of a group
+  const bool q41 = file_type(qtype) == Q4_1;
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* b = wd + ((n / TILE_ROWS) * G + g) * tb;
+    d[g] = half_to_float(b + 256 + 2 * j);
+    m[g] = q41 ? half_to_float(b + 288 + 2 * j) : 0.0f;
+    for (int k = 0; k < GROUP; k++) {
+      const int c = k / 8, sh = 4 * ((k % 8) / 2), i = 2 * (int)j + k % 2;
+      uint16_t word;
+      std::memcpy(&word, b + 64 * c + 2 * i, 2);
+      w[g * GROUP + k] = (float)((word >> sh) & 15) + (q41 ? 0.0f : -8.0f);
+    }
+  }
+}
+
 // Unpack one row: w[G * 32] codes (zero past K), d[G], m[G] (zero unless Q4_1).
 void unpack_row(int64_t qtype, const uint8_t* row, int64_t K, float* w, float* d, float* m) {
   const int64_t G = (K + GROUP - 1) / GROUP;
@@ -685,6 +704,21 @@ inline void amx_scales(Blocks<QT> b, float* d, float* m) {
   }
 }
 
+// The three bf16 limbs of 16 values of x, each limb's float32 with its low 16 bits zero (exact in bf16); returns the
+// lanes the tiles cannot hold: x not finite, or nonzero below 2^-100 in magnitude (a limb would be subnormal).
+inline __mmask16 x_limbs(__m512 v, __m512i l[3]) {
+  const __m512 av = _mm512_abs_ps(v);
+  const __mmask16 bad = _mm512_cmp_ps_mask(av, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ) |
+                        (_mm512_cmp_ps_mask(av, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ) &
+                         _mm512_cmp_ps_mask(av, _mm512_setzero_ps(), _CMP_NEQ_UQ));
+  const __m512i mask = _mm512_set1_epi32((int)0xFFFF0000u);
+  l[0] = _mm512_and_si512(_mm512_castps_si512(v), mask);
+  const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(l[0]));  // exact
+  l[1] = _mm512_and_si512(_mm512_castps_si512(r), mask);
+  l[2] = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(l[1])));  // exact, 8 significant bits
+  return bad;
+}
+
 // x's three limbs as B tiles, tile l of block g holding limb l of rows [0, mc) of x (stride ldx, mc <= 16) in its
 // columns m: xb[((3 g + l) 16 + kp) 16 + m] is the dword at pair kp; sxT[16 g + m] the block sums of x. Columns from mc
 // on are 0. Each tile row is one gather of a pair's two values across the rows of x, split and stored whole; the
@@ -695,8 +729,6 @@ bool amx_x_tiles(const float* x, int64_t ldx, int64_t mc, int64_t G, uint32_t* x
   const __mmask16 used = (__mmask16)((1u << mc) - 1);
   const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                         _mm512_set1_epi32((int)ldx));  // [16] row m's first value
-  const __m512i mask = _mm512_set1_epi32((int)0xFFFF0000u);
-  const __m512 tiny = _mm512_set1_ps(std::ldexp(1.0f, -100)), inf = _mm512_set1_ps(INFINITY);
   std::atomic<bool> ok{true};
   at::parallel_for(0, G, 4, [&](int64_t g0, int64_t g1) {
     __mmask16 bad = 0;
@@ -709,15 +741,7 @@ bool amx_x_tiles(const float* x, int64_t ldx, int64_t mc, int64_t G, uint32_t* x
         const __m512 b = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), used, at, xg + kb, 4);  // [16] x[m, k_b(kp)]
         sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
         __m512i la[3], lb[3];
-        for (auto [v, l] : {std::pair<__m512, __m512i*>{a, la}, {b, lb}}) {
-          const __m512 av = _mm512_abs_ps(v);
-          bad |= _mm512_cmp_ps_mask(av, inf, _CMP_NLT_UQ) | (_mm512_cmp_ps_mask(av, tiny, _CMP_LT_OQ) &
-                                                              _mm512_cmp_ps_mask(av, _mm512_setzero_ps(), _CMP_NEQ_UQ));
-          l[0] = _mm512_and_si512(_mm512_castps_si512(v), mask);
-          const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(l[0]));  // exact
-          l[1] = _mm512_and_si512(_mm512_castps_si512(r), mask);
-          l[2] = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(l[1])));  // exact, 8 significant bits
-        }
+        bad |= x_limbs(a, la) | x_limbs(b, lb);
         for (int l = 0; l < 3; l++)
           _mm512_storeu_si512(xb + ((3 * g + l) * 16 + kp) * 16, _mm512_or_si512(_mm512_srli_epi32(la[l], 16), lb[l]));
       }
@@ -792,6 +816,167 @@ bool amx_linear(const float* x, int64_t M, int64_t G, const uint8_t* wd, int64_t
   });
   return true;
 }
+
+// The tiled layout (Q4_0_TILES, Q4_1_TILES; layers/quant.py's tile_rows writes it at load): weight rows in groups of
+// 16, a group's G blocks one after another, block g of group t at (t G + g) TB bytes: 256 code bytes, the 16 rows'
+// float16 scales, then (Q4_1) their float16 minima. The code bytes are 4 chunks of 32 little-endian words, and
+// nibble s of word i of chunk c holds row i / 2's code 8 c + 2 s + i % 2. So each of a chunk's four nibbles, looked
+// up as bf16 across the 32 words, is one row of the B operand in TDPBF16PS's pair order (row kp = 4 c + s holds,
+// for each weight row j, its codes 2 kp and 2 kp + 1): a block of 16 weight rows costs one load, three shifts and
+// four permutes (amx_codes unpacks each weight row alone).
+//
+// x goes into A: each row as its three bf16 limbs (as amx_x_tiles splits them), 32 values of one block a tile row.
+// Up to AMX_LIMB_ROWS rows of x take one A tile a block, row 3 i + l holding limb l of row i; more (up to 16) take
+// three, tile l row i. C [rows of A, 16 weight rows] is scaled by the block's d and summed over the limbs in
+// registers, where the minima's term is added too.
+template <int64_t FTQ>
+constexpr int64_t TB = TILE_ROWS * (FTQ == Q4_1 ? 20 : 18);
+constexpr int64_t AMX_LIMB_ROWS = 5;
+// Blocks between a block's unpacking and its tile load, and the prefetch distance in blocks (docs/experiments.md,
+// twenty-third session): a tile load of just-stored bytes waits for the stores to drain.
+constexpr int64_t TILED_AHEAD = 2, TILED_PREFETCH = 4;
+
+// x's rows [0, mc) (stride ldx, mc <= 16) as A tiles: block g's at xa + 96 mc g (words), row 3 i + l (mc <=
+// AMX_LIMB_ROWS) or l mc + i (else) holding limb l of row i; sx[16 g + i] the block sums. False where a nonzero x
+// is not finite or below 2^-100 in magnitude (as amx_x_tiles).
+bool tiled_x(const float* x, int64_t ldx, int64_t mc, int64_t G, uint16_t* xa, float* sx) {
+  __mmask16 bad = 0;
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t i = 0; i < mc; i++) {
+      const float* xg = x + i * ldx + g * GROUP;
+      const __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);
+      __m512i llo[3], lhi[3];  // the limbs of values 0-15 and 16-31
+      bad |= x_limbs(lo, llo) | x_limbs(hi, lhi);
+      sx[16 * g + i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      for (int l = 0; l < 3; l++) {
+        const int64_t row = mc <= AMX_LIMB_ROWS ? 3 * i + l : l * mc + i;
+        // the high halves of the 32 limbs (each exact in bf16), in order
+        const __m512i words = _mm512_permutex2var_epi16(
+            llo[l], _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015,
+                                      0x001B0019, 0x001F001D, 0x00230021, 0x00270025, 0x002B0029, 0x002F002D,
+                                      0x00330031, 0x00370035, 0x003B0039, 0x003F003D), lhi[l]);
+        _mm512_storeu_si512(xa + 96 * mc * g + 32 * row, words);
+      }
+    }
+  return bad == 0;
+}
+
+// Weight groups [t0, t1) of a tiled layout against mc rows of x in tiled_x's A tiles: out[i * ldo + 16 t + j].
+template <int64_t FTQ, bool ONE>  // ONE: mc <= AMX_LIMB_ROWS, one A tile a block
+void tiled_groups(const uint8_t* wd, int64_t G, int64_t t0, int64_t t1, const uint16_t* xa, const float* sx,
+                  int64_t mc, float* out, int64_t ldo) {
+  // ONE: A 0 / 3, B 1 / 4, C 2 / 5 for even / odd blocks; else A (limbs) 0-2, B 3 / 5, C 4 / 6.
+  TileConfig cfg;
+  const uint8_t arows = (uint8_t)(ONE ? 3 * mc : mc);
+  for (int t = 0; t < 7; t++) cfg.colsb[t] = 64;
+  if constexpr (ONE) {
+    const uint8_t rows[7] = {arows, 16, arows, arows, 16, arows, 0};
+    for (int t = 0; t < 7; t++) cfg.rows[t] = rows[t];
+    cfg.colsb[6] = 0;
+  } else {
+    const uint8_t rows[7] = {arows, arows, arows, 16, arows, 16, arows};
+    for (int t = 0; t < 7; t++) cfg.rows[t] = rows[t];
+  }
+  _tile_loadconfig(&cfg);
+  // bf16(j % 16) at word j of 32: a word whose low 5 bits hold a code (and one more bit) looks it up.
+  const __m512i table = _mm512_setr_epi32(0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0, 0x41104100, 0x41304120,
+                                          0x41504140, 0x41704160, 0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0,
+                                          0x41104100, 0x41304120, 0x41504140, 0x41704160);
+  alignas(64) uint16_t ring[4][16 * 32];  // block g's B rows at ring[g % 4]
+  alignas(64) float cbuf[2][16 * 16];     // block g's C at cbuf[g % 2], read a block after its store
+  for (int64_t t = t0; t < t1; t++) {
+    const uint8_t* grp = wd + t * G * TB<FTQ>;
+    __m512 acc[16];  // [16 weight rows] for each row of x
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    auto unpack = [&](int64_t g) {
+      const uint8_t* b = grp + g * TB<FTQ>;
+      _mm_prefetch((const char*)(b + TILED_PREFETCH * TB<FTQ>), _MM_HINT_T0);
+      for (int64_t line = 64; line < TB<FTQ>; line += 64)
+        _mm_prefetch((const char*)(b + TILED_PREFETCH * TB<FTQ> + line), _MM_HINT_T0);
+      uint16_t* r = ring[g & 3];
+      for (int c = 0; c < 4; c++) {
+        const __m512i w = _mm512_loadu_si512(b + 64 * c);
+        _mm512_store_si512(r + 32 * (4 * c), _mm512_permutexvar_epi16(w, table));
+        _mm512_store_si512(r + 32 * (4 * c + 1), _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
+        _mm512_store_si512(r + 32 * (4 * c + 2), _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 8), table));
+        _mm512_store_si512(r + 32 * (4 * c + 3), _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 12), table));
+      }
+    };
+    auto scale = [&](int64_t g) {
+      const uint8_t* b = grp + g * TB<FTQ>;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256)));
+      const __m512 m = FTQ == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 288)))
+                                   : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+      const float* c = cbuf[g & 1];
+      for (int64_t i = 0; i < mc; i++) {
+        const __m512 s = ONE ? _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(c + 16 * (3 * i)), _mm512_load_ps(c + 16 * (3 * i + 1))),
+                                             _mm512_load_ps(c + 16 * (3 * i + 2)))
+                             : _mm512_load_ps(c + 16 * i);
+        acc[i] = _mm512_fmadd_ps(d, s, acc[i]);
+        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[16 * g + i]), acc[i]);
+      }
+    };
+    // block g's product into cbuf[g % 2] (tile numbers are literals in the instructions)
+#define MS_TILED_ONE(TA, TBB, TC)      \
+  {                                    \
+    _tile_loadd(TBB, ring[g & 3], 64); \
+    _tile_loadd(TA, a, 64);            \
+    _tile_zero(TC);                    \
+    _tile_dpbf16ps(TC, TA, TBB);       \
+    _tile_stored(TC, cbuf[g & 1], 64); \
+  }
+#define MS_TILED_THREE(TBB, TC)        \
+  {                                    \
+    _tile_loadd(TBB, ring[g & 3], 64); \
+    _tile_loadd(0, a, 64);             \
+    _tile_loadd(1, a + 32 * mc, 64);   \
+    _tile_loadd(2, a + 64 * mc, 64);   \
+    _tile_zero(TC);                    \
+    _tile_dpbf16ps(TC, 0, TBB);        \
+    _tile_dpbf16ps(TC, 1, TBB);        \
+    _tile_dpbf16ps(TC, 2, TBB);        \
+    _tile_stored(TC, cbuf[g & 1], 64); \
+  }
+    for (int64_t g = 0; g < std::min(TILED_AHEAD, G); g++) unpack(g);
+    for (int64_t g = 0; g < G; g++) {
+      if (g + TILED_AHEAD < G) unpack(g + TILED_AHEAD);
+      const uint16_t* a = xa + 96 * mc * g;
+      if constexpr (ONE) {
+        if (g & 1) MS_TILED_ONE(3, 4, 5) else MS_TILED_ONE(0, 1, 2)
+      } else {
+        if (g & 1) MS_TILED_THREE(5, 6) else MS_TILED_THREE(3, 4)
+      }
+      if (g > 0) scale(g - 1);
+    }
+#undef MS_TILED_ONE
+#undef MS_TILED_THREE
+    scale(G - 1);
+    for (int64_t i = 0; i < mc; i++) _mm512_storeu_ps(out + i * ldo + 16 * t, acc[i]);
+  }
+  _tile_release();
+}
+
+// out [M, N] = x [M, G * 32] (stride G * 32) against a tiled layout of N rows, 16 rows of x at a time; false (out
+// untouched) where tiled_x refuses x.
+template <int64_t FTQ>
+bool amx_tiled_linear(const float* x, int64_t M, int64_t G, const uint8_t* wd, int64_t N, float* out) {
+  const int64_t chunks = (M + 15) / 16, per_chunk = G * (16 * 96 + 16 * 2);  // words: A tiles, then sums (floats)
+  thread_local std::vector<uint16_t> buf;  // the calling thread's, kept between calls
+  if ((int64_t)buf.size() < chunks * per_chunk + 32) buf.resize(chunks * per_chunk + 32);
+  uint16_t* xa = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  auto rows = [&](int64_t c) { return std::min<int64_t>(16, M - 16 * c); };
+  auto sums = [&](int64_t c) { return reinterpret_cast<float*>(xa + c * per_chunk + G * 16 * 96); };
+  for (int64_t c = 0; c < chunks; c++)
+    if (!tiled_x(x + 16 * c * G * GROUP, G * GROUP, rows(c), G, xa + c * per_chunk, sums(c))) return false;
+  for (int64_t c = 0; c < chunks; c++)
+    at::parallel_for(0, N / TILE_ROWS, 1, [&](int64_t t0, int64_t t1) {
+      if (rows(c) <= AMX_LIMB_ROWS)
+        tiled_groups<FTQ, true>(wd, G, t0, t1, xa + c * per_chunk, sums(c), rows(c), out + 16 * c * N, N);
+      else
+        tiled_groups<FTQ, false>(wd, G, t0, t1, xa + c * per_chunk, sums(c), rows(c), out + 16 * c * N, N);
+    });
+  return true;
+}
 #endif
 
 // f(std::integral_constant<int64_t, QT>{}) for a block type QT (the SIMD paths); false for F16 / BF16.
@@ -815,7 +1000,8 @@ void for_unpacked_rows(int64_t qtype, const uint8_t* wd, int64_t wstride, int64_
   std::vector<float> buf(Kp + 2 * G);
   float *wf = buf.data(), *d = wf + Kp, *m = d + G;
   for (int64_t n = begin; n < end; n++) {
-    unpack_row(qtype, wd + n * wstride, K, wf, d, m);
+    if (tiled(qtype)) unpack_tiled_row(qtype, wd, n, G, wf, d, m);
+    else unpack_row(qtype, wd + n * wstride, K, wf, d, m);
     fn(n, wf, d, m);
   }
 }
@@ -886,7 +1072,16 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
   auto xpad = K == Kp ? x.contiguous() : torch::zeros({M, Kp}, x.options());
   if (K != Kp) xpad.narrow(1, 0, K).copy_(x);
   const float* xd = xpad.data_ptr<float>();
+  TORCH_CHECK(!tiled(qtype) || (N % TILE_ROWS == 0 && w.is_contiguous()),
+              "packed_linear: a tiled layout holds whole groups of 16 rows, contiguous");
 #if defined(MS_AMX)
+  if (tiled(qtype) && amx_ready()) {  // any rows of x; where the tiles refuse x, the portable path below
+    auto out = torch::empty({M, N}, x.options());
+    const uint8_t* wd = w.data_ptr<uint8_t>();
+    if (file_type(qtype) == Q4_1 ? amx_tiled_linear<Q4_1>(xd, M, G, wd, N, out.data_ptr<float>())
+                                 : amx_tiled_linear<Q4_0>(xd, M, G, wd, N, out.data_ptr<float>()))
+      return out;
+  }
   if (M >= AMX_MIN_ROWS && N % 16 == 0 && amx_ready()) {
     auto out = torch::empty({M, N}, x.options());
     bool done = false;
@@ -899,7 +1094,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
   // Up to SPLIT_MAX_ROWS rows of x against split rows: tile_dot_split, which also takes Q4_0's
   // -8 d through sx.
 #if defined(MS_AVX512)
-  const bool split_row = file_type(qtype) != qtype && M <= SPLIT_MAX_ROWS;
+  const bool split_row = (qtype == Q4_0_SPLIT || qtype == Q4_1_SPLIT) && M <= SPLIT_MAX_ROWS;
   const int64_t ldxp = split_stride(G);
 #else
   const bool split_row = false;

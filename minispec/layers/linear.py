@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from minispec.distributed import TPGroup
-from minispec.kernels.ggml import file_type
+from minispec.kernels.ggml import TILE_ROWS, file_type
 from minispec.layers.quant import PackedWeight, embedding, kernel_qtype, linear, relayout, row_bytes, type_name
 from minispec.utils import cdiv
 
@@ -21,13 +21,15 @@ def _dense(rows: int, cols: int, dtype, device, fill_zero: bool = False) -> nn.P
     return nn.Parameter(new(rows, cols, dtype=dtype, device=device), requires_grad=False)
 
 
-def _rows_like(src: torch.Tensor | PackedWeight, rows: int, cols: int, dtype, device, fill_zero: bool = False):
+def _rows_like(src: torch.Tensor | PackedWeight, rows: int, cols: int, dtype, device, fill_zero: bool = False,
+               looked_up: bool = False):
     """An empty weight of `rows` rows for src's kind: PackedWeight of src's format in the kernels' layout
-    (quant.kernel_qtype; zero bytes are zero values), or a dense Parameter."""
+    (quant.kernel_qtype, never tiled for a weight whose rows are looked_up; zero bytes are zero values), or a dense
+    Parameter."""
     if isinstance(src, PackedWeight):
         new = torch.zeros if fill_zero else torch.empty
         data = new(rows, row_bytes(src.qtype, cols), dtype=torch.uint8, device=device)
-        return PackedWeight(data, kernel_qtype(file_type(src.qtype), device), cols)
+        return PackedWeight(data, kernel_qtype(file_type(src.qtype), device, None if looked_up else rows), cols)
     return _dense(rows, cols, dtype, device, fill_zero)
 
 
@@ -45,7 +47,13 @@ def _rows_of(w: torch.Tensor | PackedWeight, start: int, n: int) -> torch.Tensor
 
 
 def _copy_rows(dst: torch.Tensor | PackedWeight, at: int, src: torch.Tensor | PackedWeight, start: int, n: int) -> None:
-    """dst's rows [at, at + n) = src's rows [start, start + n), in dst's layout (a file's or its split one)."""
+    """dst's rows [at, at + n) = src's rows [start, start + n), in dst's layout (a file's, split or tiled one)."""
+    if isinstance(dst, PackedWeight) and dst.tiled and (at % TILE_ROWS or n % TILE_ROWS):
+        lo, hi = at // TILE_ROWS * TILE_ROWS, cdiv(at + n, TILE_ROWS) * TILE_ROWS  # the groups rows [at, at + n) touch
+        groups = PackedWeight(dst.data[lo:hi], dst.qtype, dst.in_features).joined()
+        _copy_rows(groups, at - lo, src, start, n)
+        dst.data[lo:hi].copy_(relayout(groups.data, groups.qtype, dst.qtype))
+        return
     rows = _rows_of(src, start, n)
     _rows_of(dst, at, n).copy_(relayout(rows, src.qtype, dst.qtype) if isinstance(dst, PackedWeight) else rows)
 
@@ -172,7 +180,8 @@ class VocabParallelEmbedding(nn.Module):
     def load(self, weight: torch.Tensor | PackedWeight) -> None:
         """Copy this rank's rows of the full [vocab_size, hidden] weight (padded rows stay zero)."""
         if self.weight is None:
-            self.weight = _rows_like(weight, self.shard_size, self.hidden_size, self.dtype, self.device, fill_zero=True)
+            self.weight = _rows_like(weight, self.shard_size, self.hidden_size, self.dtype, self.device, fill_zero=True,
+                                     looked_up=True)
         _check_kind(self.weight, weight)
         _copy_rows(self.weight, 0, weight, self.shard_start, self.num_real)
 

@@ -5,7 +5,8 @@ values (Q4_0, Q4_1, Q8_0: a float16 scale d, for Q4_1 a float16 minimum m, and 3
 F16 / BF16 values. The value of code q is d * (q - 8) (Q4_0), d * q + m (Q4_1) or d * q (Q8_0).
 
 In memory, Q4_0 / Q4_1 rows may be split (kernels/ggml.py: codes, then scales, then minima) where the AVX-512
-one-row kernel reads them: ``kernel_layout(w)``, which the layers apply as they load. The values are the file's.
+one-row kernel reads them, or tiled in groups of 16 rows where the AMX kernel does: ``kernel_layout(w)``, which the
+layers apply as they load. The values are the file's.
 
 ``linear(x, w)`` equals ``F.linear(x.float(), w.dequantize())``, the float32 layer over the
 dequantised weight, up to float32 summation order (it computes d * sum(q * x) + m * sum(x) per
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from minispec.kernels.cpu import applies
-from minispec.kernels.ggml import BF16, BLOCK_TYPES, F16, F32, GROUP, PACKED_TYPES, Q4_0, Q4_1, Q8_0, SPLIT_OF, file_type
+from minispec.kernels.ggml import (BF16, BLOCK_TYPES, F16, F32, GROUP, PACKED_TYPES, Q4_0, Q4_1, Q8_0, SPLIT_OF, TILE_ROWS,
+                                   TILES_OF, file_type)
 
 # Weight-only quantisation of a float checkpoint: name -> (linear layers' type, embedding / LM head type). The
 # embedding stays 8-bit under int4, as llama.cpp's Q4_1 files keep it (it is also the tied LM head).
@@ -58,6 +60,8 @@ class PackedWeight:
                 self.data.shape[1] != row_bytes(self.qtype, self.in_features):
             raise ValueError(f"{name} data for rows of {self.in_features} values must be uint8 "
                              f"[N, {row_bytes(self.qtype, self.in_features)}], got {self.data.dtype} {list(self.data.shape)}")
+        if self.tiled and self.data.shape[0] % TILE_ROWS:
+            raise ValueError(f"{name} holds whole groups of {TILE_ROWS} rows; got {self.data.shape[0]} rows")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -67,8 +71,13 @@ class PackedWeight:
     def device(self) -> torch.device:
         return self.data.device
 
+    @property
+    def tiled(self) -> bool:
+        """Whether the rows are in groups of TILE_ROWS (the AMX kernel's layout), where a row is no slice of data."""
+        return self.qtype in TILES_OF.values()
+
     def as_type(self, qtype: int) -> PackedWeight:
-        """This weight in layout qtype, its file's format or the split one (itself when it is already)."""
+        """This weight in layout qtype, its file's format or a split or tiled one (itself when it is already)."""
         return self if qtype == self.qtype else PackedWeight(relayout(self.data, self.qtype, qtype), qtype,
                                                               self.in_features)
 
@@ -81,13 +90,16 @@ class PackedWeight:
         return self.as_type(file_type(self.qtype))
 
     def rows(self, start: int, n: int) -> PackedWeight:
-        """Rows [start, start + n) (a view)."""
+        """Rows [start, start + n) (a view; from a tiled layout, rows off its groups of 16 come as a copy in the
+        file's)."""
+        if self.tiled and (start % TILE_ROWS or n % TILE_ROWS):
+            return self.joined().rows(start, n)
         return PackedWeight(self.data[start : start + n], self.qtype, self.in_features)
 
     def cols(self, start: int, k: int) -> PackedWeight:
         """Columns [start, start + k) of every row (a copy); a block format needs start and k on block bounds."""
         if file_type(self.qtype) != self.qtype:
-            return self.joined().cols(start, k).split()
+            return self.joined().cols(start, k).as_type(self.qtype)
         fmt = PACKED_TYPES[self.qtype]
         if start % fmt.block_values or k % fmt.block_values:
             raise ValueError(f"a {fmt.name} weight splits its columns on blocks of {fmt.block_values}; "
@@ -97,6 +109,8 @@ class PackedWeight:
 
     def permute_rows(self, fn) -> PackedWeight:
         """Rows reordered by fn, a function of a [N, ...] tensor that permutes its rows (a copy)."""
+        if self.tiled:
+            return self.joined().permute_rows(fn).as_type(self.qtype)
         return PackedWeight(fn(self.data).contiguous(), self.qtype, self.in_features)
 
     def to(self, device) -> PackedWeight:
@@ -136,28 +150,70 @@ def join_rows(data: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1).reshape(n, -1)
 
 
+def tile_rows(data: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Q4_0 / Q4_1 rows [N, G * block bytes] (N a multiple of 16) in their tiled layout (kernels/ggml.py): group t's
+    block g at bytes (t G + g) 16 * block bytes, its 256 code bytes (code k = 8 c + 2 s + h of the group's row j in
+    nibble s of little-endian word 2 j + h of 64-byte chunk c), then the 16 rows' float16 scales, then (Q4_1) minima."""
+    n, bb, head = data.shape[0], PACKED_TYPES[qtype].block_bytes, 4 if qtype == Q4_1 else 2
+    blocks = data.reshape(n // TILE_ROWS, TILE_ROWS, -1, bb)  # [T, 16 rows j, G, block bytes]
+    t, _, g, _ = blocks.shape
+    qs = blocks[..., head:].to(torch.int32)  # [T, j, G, 16]: code k in byte k % 16, low nibble for k < 16
+    codes = torch.cat([qs & 15, qs >> 4], -1).view(t, TILE_ROWS, g, 4, 4, 2)  # [T, j, G, chunk c, nibble s, h]
+    words = (codes << torch.tensor([0, 4, 8, 12], dtype=torch.int32).view(4, 1)).sum(4)  # [T, j, G, c, h]
+    words = words.permute(0, 2, 3, 1, 4).reshape(t, g, 128)  # [T, G, c * 32 + 2 j + h]
+    code_bytes = torch.stack([words & 255, words >> 8], -1).to(torch.uint8).reshape(t, g, 256)
+    per_row = [blocks[..., 0:2]] + ([blocks[..., 2:4]] if qtype == Q4_1 else [])  # scales, minima: [T, j, G, 2]
+    parts = [code_bytes] + [p.permute(0, 2, 1, 3).reshape(t, g, 2 * TILE_ROWS) for p in per_row]
+    return torch.cat(parts, -1).reshape(n, -1)
+
+
+def untile_rows(data: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Tiled rows of type qtype back in their file's layout (tile_rows' inverse)."""
+    ft = file_type(qtype)
+    n, bb = data.shape[0], PACKED_TYPES[ft].block_bytes
+    t, g = n // TILE_ROWS, data.shape[1] // bb
+    b = data.reshape(t, g, TILE_ROWS * bb)  # [T, G, bytes of a group's block]
+    w = b[..., :256].reshape(t, g, 4, TILE_ROWS, 2, 2).to(torch.int32)  # [T, G, c, j, h, byte]
+    words = w[..., 0] | w[..., 1] << 8  # [T, G, c, j, h]
+    codes = words.unsqueeze(-1) >> torch.tensor([0, 4, 8, 12], dtype=torch.int32) & 15  # [T, G, c, j, h, s]
+    codes = codes.permute(0, 3, 1, 2, 5, 4).reshape(t, TILE_ROWS, g, 32)  # [T, j, G, k = 8 c + 2 s + h]
+    qs = (codes[..., :16] | codes[..., 16:] << 4).to(torch.uint8)  # [T, j, G, 16]
+    per_row = [b[..., 256:288]] + ([b[..., 288:320]] if ft == Q4_1 else [])  # [T, G, 32] each
+    parts = [p.reshape(t, g, TILE_ROWS, 2).permute(0, 2, 1, 3) for p in per_row] + [qs]
+    return torch.cat(parts, -1).reshape(n, -1)
+
+
 def relayout(data: torch.Tensor, qtype: int, to: int) -> torch.Tensor:
-    """Packed rows of layout qtype in layout `to`, the same format's file layout or split one (the same values)."""
+    """Packed rows of layout qtype in layout `to`, the same format's file layout or a split or tiled one (the same
+    values)."""
     if qtype == to:
         return data
-    if file_type(qtype) != qtype:
+    ft = file_type(qtype)
+    if qtype in SPLIT_OF.values():
         data = join_rows(data, qtype)
-    return data if file_type(to) == to else split_rows(data, file_type(to))
+    elif qtype in TILES_OF.values():
+        data = untile_rows(data, qtype)
+    if to == ft:
+        return data
+    return split_rows(data, ft) if to in SPLIT_OF.values() else tile_rows(data, ft)
 
 
-def kernel_qtype(qtype: int, device) -> int:
-    """The layout the CPU kernels read qtype's rows in fastest: a Q4_0 / Q4_1 one on CPU split where the AVX-512
-    kernels run it, anything else as it is. MINISPEC_FILE_LAYOUT=1 keeps the file's (to measure one against
-    the other)."""
-    if qtype in SPLIT_OF and torch.device(device).type == "cpu" and not os.environ.get("MINISPEC_FILE_LAYOUT") and \
-            (ext := _cpu_ops()) is not None and ext.PACKED_SPLIT:
-        return SPLIT_OF[qtype]
-    return qtype
+def kernel_qtype(qtype: int, device, rows: int | None = None) -> int:
+    """The layout the CPU kernels read qtype's rows in fastest: a Q4_0 / Q4_1 weight of `rows` rows on CPU tiled
+    where the AMX kernel runs it and rows is a multiple of 16 (None: a weight whose rows are looked up, never tiled),
+    else split where the AVX-512 kernels run it; anything else as it is. MINISPEC_FILE_LAYOUT=1 keeps the file's,
+    MINISPEC_NO_TILES=1 the split one (to measure one against another)."""
+    if qtype not in SPLIT_OF or torch.device(device).type != "cpu" or os.environ.get("MINISPEC_FILE_LAYOUT") or \
+            (ext := _cpu_ops()) is None:
+        return qtype
+    if rows is not None and rows % TILE_ROWS == 0 and ext.packed_amx() and not os.environ.get("MINISPEC_NO_TILES"):
+        return TILES_OF[qtype]
+    return SPLIT_OF[qtype] if ext.PACKED_SPLIT else qtype
 
 
 def kernel_layout(w):
     """A PackedWeight in kernel_qtype's layout; anything else as it is."""
-    return w.as_type(kernel_qtype(w.qtype, w.device)) if isinstance(w, PackedWeight) else w
+    return w.as_type(kernel_qtype(w.qtype, w.device, w.shape[0])) if isinstance(w, PackedWeight) else w
 
 
 def dequantize_ref(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
@@ -246,6 +302,8 @@ def embedding(ids: torch.Tensor, w: torch.Tensor | PackedWeight, dtype: torch.dt
     """Rows of w for ids [...] -> [..., K]; a packed weight dequantises only the rows looked up."""
     if not isinstance(w, PackedWeight):
         return F.embedding(ids, w)
+    if w.tiled:
+        raise ValueError(f"embedding: {type_name(w.qtype)} rows are not slices of its bytes; look up a file or split layout")
     rows = PackedWeight(w.data[ids.reshape(-1)], w.qtype, w.in_features)
     return rows.dequantize().to(dtype).view(*ids.shape, w.in_features)
 
