@@ -30,18 +30,18 @@ def build(name: str, target, b: int) -> LLM:
     proposer."""
     base, _, settings = name.partition(":")
     k, _, quant = base.partition("@")
-    if base == "default":
-        llm = LLM(target, max_num_seqs=b)
+    if base.startswith("default"):  # default6: the default with num_speculative_tokens = 6
+        llm = LLM(target, max_num_seqs=b, num_speculative_tokens=int(base[7:] or 4))
     elif base == "target":
         llm = LLM(target, draft=None, max_num_seqs=b)
     elif base == "capture":
         llm = LLM(target, draft="smollm2-135m-instruct-eagle3", draft_quantization="int8", max_num_seqs=b,
                   k_policy=lambda reqs: [0] * len(reqs))
-    elif k in ("k1", "k2", "k3", "k4"):
+    elif k[:1] == "k" and k[1:].isdigit():
         llm = LLM(target, draft="smollm2-135m-instruct-eagle3", draft_quantization=quant or "int8", max_num_seqs=b,
-                  num_speculative_tokens=int(k[1]))
+                  num_speculative_tokens=int(k[1:]))
     else:
-        raise SystemExit(f"unknown variant {name!r}: default, target, capture, k1..k4 (k2@int4: the head at int4)")
+        raise SystemExit(f"unknown variant {name!r}: default[N], target, capture, kN (k2@int4: the head at int4)")
     for item in filter(None, settings.split(",")):
         key, value = item.split("=")
         owner = next((o for o in (llm.engine.k_policy, llm.engine.proposer) if hasattr(o, key)), None)
