@@ -284,6 +284,8 @@ def test_tiled_rows_hold_the_files_bytes(name):
     assert torch.equal(t.cols(64, 96).joined().data, w.cols(64, 96).data) and t.cols(64, 96).tiled
     flip = t.permute_rows(lambda d: d.flip(0))
     assert flip.tiled and torch.equal(flip.joined().data, w.data.flip(0))
+    x = torch.randn(300, 320, generator=torch.Generator().manual_seed(0))  # past PACKED_MAX_ROWS: still the packed op
+    assert rel_err(linear(x, t), x @ torch.from_numpy(ref).T) < 1e-5
 
 
 @pytest.mark.parametrize("name", list(SPLIT))

@@ -289,7 +289,9 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
         y = packed_linear_triton(x2, w.data, w.qtype, w.in_features)  # [M, N] float32
     elif (ext := _cpu_ops()) is None:
         return linear_ref(x, w, bias)
-    elif x2.shape[0] > ext.PACKED_MAX_ROWS:  # a long prefill: one float32 GEMM on the weight dequantised for it
+    elif x2.shape[0] > ext.PACKED_MAX_ROWS and not w.tiled:
+        # a long prefill: one float32 GEMM on the weight dequantised for it (a tiled weight's AMX kernel beats that at
+        # every count of rows: docs/experiments.md, twenty-third session)
         y = gemm(x2.float(), ext.packed_dequantize(w.data, w.qtype, w.in_features))
     else:
         y = ext.packed_linear(x2.float().contiguous(), w.data, w.qtype, w.in_features)
