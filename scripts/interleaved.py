@@ -30,8 +30,8 @@ def build(name: str, target, b: int) -> LLM:
     proposer."""
     base, _, settings = name.partition(":")
     k, _, quant = base.partition("@")
-    if base.startswith("default"):  # default6: the default with num_speculative_tokens = 6
-        llm = LLM(target, max_num_seqs=b, num_speculative_tokens=int(base[7:] or 4))
+    if k.startswith("default"):  # default6: num_speculative_tokens = 6; default@int4: the auto head at int4
+        llm = LLM(target, max_num_seqs=b, num_speculative_tokens=int(k[7:] or 4), draft_quantization=quant or None)
     elif base == "target":
         llm = LLM(target, draft=None, max_num_seqs=b)
     elif base == "capture":
@@ -90,6 +90,9 @@ def main() -> None:
         ratios = [a / b for a, b in zip(rates[n], rates[base])]
         print(f"{n} / {base}: median {statistics.median(ratios):.3f}x (rounds {min(ratios):.3f}-{max(ratios):.3f}),"
               f" batch {args.batch_size}")
+    for n, llm in llms.items():
+        if (counts := getattr(llm.engine.k_policy, "counts", None)) is not None:
+            print(f"{n}: k chosen per request-step (k = 0, 1, ...) {counts.tolist()}")
 
 
 if __name__ == "__main__":
