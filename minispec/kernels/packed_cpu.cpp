@@ -798,14 +798,21 @@ void amx_groups(const uint8_t* wd, int64_t wstride, int64_t G, int64_t t0, int64
   _tile_release();
 }
 
+// n values of T, 64-byte aligned: the calling thread's scratch (one per T), kept between calls.
+template <class T>
+T* thread_scratch(int64_t n) {
+  thread_local std::vector<T> buf;
+  const int64_t pad = 64 / sizeof(T);
+  if ((int64_t)buf.size() < n + pad) buf.resize(n + pad);
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+}
+
 // out [M, N] = x [M, G * 32] (stride G * 32) against N packed rows (N a multiple of 16) through the tiles, 16 rows of x
 // at a time; false (out untouched) where amx_x_tiles refuses x.
 template <int64_t QT>
 bool amx_linear(const float* x, int64_t M, int64_t G, const uint8_t* wd, int64_t wstride, int64_t N, float* out) {
   const int64_t chunks = (M + 15) / 16, per_chunk = G * (3 * 256 + 16);  // dwords: B tiles, then sums
-  thread_local std::vector<uint32_t> buf;  // the calling thread's, kept between calls
-  if ((int64_t)buf.size() < chunks * per_chunk + 16) buf.resize(chunks * per_chunk + 16);
-  uint32_t* xb = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  uint32_t* xb = thread_scratch<uint32_t>(chunks * per_chunk);
   auto rows = [&](int64_t c) { return std::min<int64_t>(16, M - 16 * c); };
   auto sums = [&](int64_t c) { return reinterpret_cast<float*>(xb + c * per_chunk + G * 3 * 256); };
   for (int64_t c = 0; c < chunks; c++)
@@ -961,9 +968,7 @@ void tiled_groups(const uint8_t* wd, int64_t G, int64_t t0, int64_t t1, const ui
 template <int64_t FTQ>
 bool amx_tiled_linear(const float* x, int64_t M, int64_t G, const uint8_t* wd, int64_t N, float* out) {
   const int64_t chunks = (M + 15) / 16, per_chunk = G * (16 * 96 + 16 * 2);  // words: A tiles, then sums (floats)
-  thread_local std::vector<uint16_t> buf;  // the calling thread's, kept between calls
-  if ((int64_t)buf.size() < chunks * per_chunk + 32) buf.resize(chunks * per_chunk + 32);
-  uint16_t* xa = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  uint16_t* xa = thread_scratch<uint16_t>(chunks * per_chunk);
   auto rows = [&](int64_t c) { return std::min<int64_t>(16, M - 16 * c); };
   auto sums = [&](int64_t c) { return reinterpret_cast<float*>(xa + c * per_chunk + G * 16 * 96); };
   for (int64_t c = 0; c < chunks; c++)
