@@ -195,9 +195,8 @@ MUTANTS = [
               "_mm512_load_ps(c + 16 * (3 * i + 1))", "_mm512_setzero_ps()",
               ("tests/test_quant.py", "-k", "amx_tiles_equal and tiles"))]
       if "amx_bf16" in open("/proc/cpuinfo").read() else []),
-    Mutant("tiled layout: a word's third and fourth nibbles swapped by tile_rows", "minispec/layers/quant.py",
-           "torch.tensor([0, 4, 8, 12], dtype=torch.int32).view(4, 1)",
-           "torch.tensor([0, 4, 12, 8], dtype=torch.int32).view(4, 1)",
+    Mutant("tiled layout: a word's two bytes swapped by tile_rows", "minispec/layers/quant.py",
+           "reshape(t, g, 256)  # [T, G, c, word 2 j + h, byte]", "flip(-1).reshape(t, g, 256)",
            ("tests/test_quant.py", "-k", "tiled_rows_hold")),
 ]
 

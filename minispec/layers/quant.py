@@ -157,11 +157,10 @@ def tile_rows(data: torch.Tensor, qtype: int) -> torch.Tensor:
     n, bb, head = data.shape[0], PACKED_TYPES[qtype].block_bytes, 4 if qtype == Q4_1 else 2
     blocks = data.reshape(n // TILE_ROWS, TILE_ROWS, -1, bb)  # [T, 16 rows j, G, block bytes]
     t, _, g, _ = blocks.shape
-    qs = blocks[..., head:].to(torch.int32)  # [T, j, G, 16]: code k in byte k % 16, low nibble for k < 16
+    qs = blocks[..., head:]  # [T, j, G, 16]: code k in byte k % 16, low nibble for k < 16
     codes = torch.cat([qs & 15, qs >> 4], -1).view(t, TILE_ROWS, g, 4, 4, 2)  # [T, j, G, chunk c, nibble s, h]
-    words = (codes << torch.tensor([0, 4, 8, 12], dtype=torch.int32).view(4, 1)).sum(4)  # [T, j, G, c, h]
-    words = words.permute(0, 2, 3, 1, 4).reshape(t, g, 128)  # [T, G, c * 32 + 2 j + h]
-    code_bytes = torch.stack([words & 255, words >> 8], -1).to(torch.uint8).reshape(t, g, 256)
+    word_bytes = codes[..., 0::2, :] | codes[..., 1::2, :] << 4  # [T, j, G, c, byte s // 2, h]
+    code_bytes = word_bytes.permute(0, 2, 3, 1, 5, 4).reshape(t, g, 256)  # [T, G, c, word 2 j + h, byte]
     per_row = [blocks[..., 0:2]] + ([blocks[..., 2:4]] if qtype == Q4_1 else [])  # scales, minima: [T, j, G, 2]
     parts = [code_bytes] + [p.permute(0, 2, 1, 3).reshape(t, g, 2 * TILE_ROWS) for p in per_row]
     return torch.cat(parts, -1).reshape(n, -1)
@@ -173,9 +172,8 @@ def untile_rows(data: torch.Tensor, qtype: int) -> torch.Tensor:
     n, bb = data.shape[0], PACKED_TYPES[ft].block_bytes
     t, g = n // TILE_ROWS, data.shape[1] // bb
     b = data.reshape(t, g, TILE_ROWS * bb)  # [T, G, bytes of a group's block]
-    w = b[..., :256].reshape(t, g, 4, TILE_ROWS, 2, 2).to(torch.int32)  # [T, G, c, j, h, byte]
-    words = w[..., 0] | w[..., 1] << 8  # [T, G, c, j, h]
-    codes = words.unsqueeze(-1) >> torch.tensor([0, 4, 8, 12], dtype=torch.int32) & 15  # [T, G, c, j, h, s]
+    w = b[..., :256].reshape(t, g, 4, TILE_ROWS, 2, 2)  # [T, G, c, j, h, byte]
+    codes = torch.stack([w & 15, w >> 4], -1).view(t, g, 4, TILE_ROWS, 2, 4)  # [T, G, c, j, h, nibble s]
     codes = codes.permute(0, 3, 1, 2, 5, 4).reshape(t, TILE_ROWS, g, 32)  # [T, j, G, k = 8 c + 2 s + h]
     qs = (codes[..., :16] | codes[..., 16:] << 4).to(torch.uint8)  # [T, j, G, 16]
     per_row = [b[..., 256:288]] + ([b[..., 288:320]] if ft == Q4_1 else [])  # [T, G, 32] each
