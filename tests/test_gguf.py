@@ -12,8 +12,7 @@ from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 from minispec.kernels.cpu import ops
 from minispec.kernels.ggml import Q4_1, Q4_1_SPLIT, Q8_0
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from minispec.layers.quant import kernel_qtype
-from minispec.layers.quant import PackedWeight
+from minispec.layers.quant import PackedWeight, kernel_qtype
 from minispec.models.errors import ModelLoadError
 from minispec.layers.rotary import rope_parameters
 from minispec.models.gguf import GGUF_CONFIG_KEYS, GGUFFile
