@@ -666,6 +666,14 @@ struct alignas(64) TileConfig {
 template <int64_t QT>
 constexpr bool PAIRS_HALVES = FT<QT> != Q8_0;
 
+// bf16(j % 16) at 16-bit lane j of 32: one permute looks up a lane whose low 5 bits hold a code (a 4-bit code, or
+// one with a stray fifth bit as the tiled kernel's shifted words have).
+inline __m512i bf16_code_table() {
+  return _mm512_setr_epi32(0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0, 0x41104100, 0x41304120, 0x41504140,
+                           0x41704160, 0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0, 0x41104100, 0x41304120,
+                           0x41504140, 0x41704160);
+}
+
 // One block of a weight row as A's row: 32 bf16 codes in pair order (Q4_0's codes as 0-15: its -8 d is a minimum).
 template <int64_t QT>
 inline __m512i amx_codes(const uint8_t* codes) {
@@ -674,9 +682,7 @@ inline __m512i amx_codes(const uint8_t* codes) {
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0-15: codes 0-15, 16-31: codes 16-31 (exact)
   } else {
-    // bf16(c) for c = 0..15 (and 16 unused words): a 16-bit lane holding a code indexes it.
-    const __m512i table = _mm512_setr_epi32(0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0, 0x41104100, 0x41304120,
-                                            0x41504140, 0x41704160, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i table = bf16_code_table();
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));  // byte kp a lane
     // word 2 kp: the low nibble (code kp), word 2 kp + 1: the high one (code kp + 16)
     const __m512i c = _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), _mm512_set1_epi32(0x000F000F));
@@ -885,10 +891,7 @@ void tiled_groups(const uint8_t* wd, int64_t G, int64_t t0, int64_t t1, const ui
     for (int t = 0; t < 7; t++) cfg.rows[t] = rows[t];
   }
   _tile_loadconfig(&cfg);
-  // bf16(j % 16) at word j of 32: a word whose low 5 bits hold a code (and one more bit) looks it up.
-  const __m512i table = _mm512_setr_epi32(0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0, 0x41104100, 0x41304120,
-                                          0x41504140, 0x41704160, 0x3F800000, 0x40404000, 0x40A04080, 0x40E040C0,
-                                          0x41104100, 0x41304120, 0x41504140, 0x41704160);
+  const __m512i table = bf16_code_table();
   alignas(64) uint16_t ring[4][16 * 32];  // block g's B rows at ring[g % 4]
   alignas(64) float cbuf[2][16 * 16];     // block g's C at cbuf[g % 2], read a block after its store
   for (int64_t t = t0; t < t1; t++) {
