@@ -51,9 +51,11 @@ def max_rel_err(ext, xs, ws) -> float:
 
 def resident(builds, rows: str, reps: int, calls: int = 300) -> None:
     """--resident: per build, the median over reps of `calls` back-to-back products with one matrix, in ns per block
-    and row of the matrix, for the first layer's q|k|v and down (indices 0 and 3 of packed_weights)."""
+    and row of the matrix, for the first layer's q|k|v and down (indices 0 and 3 of packed_weights), then the LM head
+    (the last; too big for the caches: streamed, calls / 10 of them)."""
     g = torch.Generator().manual_seed(0)
-    for index, name in ((0, "q|k|v"), (3, "down")):
+    for index, name in ((0, "q|k|v"), (3, "down"), (-1, "LM head")):
+        n_calls = calls if index >= 0 else max(1, calls // 10)
         for M in (int(r) for r in rows.split(",")):
             w0 = builds[0][2][index]
             x = torch.randn(M, w0.in_features, generator=g)
@@ -63,9 +65,9 @@ def resident(builds, rows: str, reps: int, calls: int = 300) -> None:
                 for b, ext, wl in builds:
                     w = wl[index]
                     t = time.perf_counter()
-                    for _ in range(calls):
+                    for _ in range(n_calls):
                         ext.packed_linear(x, w.data, w.qtype, w.in_features)
-                    times[b].append((time.perf_counter() - t) / calls / blocks * 1e9)
+                    times[b].append((time.perf_counter() - t) / n_calls / blocks * 1e9)
             med = {b: statistics.median(v) for b, v in times.items()}
             print(f"{name} {tuple(w0.shape)} M={M}: " + "  ".join(f"{b} {t:.3f} ns/block" for b, t in med.items())
                   + "".join(f"  loaded / {b} {med['loaded'] / med[b]:.3f}x" for b in list(med)[1:]), flush=True)
@@ -80,7 +82,7 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="another checkout's minispec/kernels directory, built beside this one")
     ap.add_argument("--resident", action="store_true",
                     help="instead: the first layer's q|k|v and down matrices alone, 300 calls each (held in L2 at one "
-                         "thread), ns per block: the kernels' own cost without the memory's")
+                         "thread), ns per block: the kernels' own cost without the memory's; then the LM head, streamed")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     this = ops()

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
 from minispec.kernels.cpu import ops
-from minispec.kernels.ggml import Q4_1, Q4_1_SPLIT, Q8_0
+from minispec.kernels.ggml import Q4_1, Q4_1_SPLIT, Q8_0, file_type
 from minispec.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from minispec.layers.quant import PackedWeight, kernel_qtype
 from minispec.models.errors import ModelLoadError
@@ -70,8 +70,10 @@ def test_packed_model_equals_float32_model(qtype, tmp_path):
 
 def test_q4_layers_load_in_the_kernels_layout(tmp_path, monkeypatch):
     """Q4 layers load tiled where the AMX kernel runs them (whole groups of 16 rows), else split where the AVX-512
-    one-row kernel reads them so; an embedding (looked up by rows) never tiles, and its Q8_0 stays. The file's values:
-    the same logits as the file's layout (MINISPEC_FILE_LAYOUT=1) and the split one (MINISPEC_NO_TILES=1), abs 1e-5."""
+    one-row kernel reads them so; the embedding (the tied LM head, its rows looked up by id) tiles too where Q4, and
+    Q8_0 stays.
+    The file's values: the same logits as the file's layout (MINISPEC_FILE_LAYOUT=1) and the split one
+    (MINISPEC_NO_TILES=1), abs 1e-5."""
     for embed in ("Q8_0", "Q4_1"):
         path = make_tiny_gguf(tmp_path / f"m-{embed}.gguf", "Q4_1", types={"token_embd.weight": embed})
         monkeypatch.delenv("MINISPEC_NO_TILES", raising=False)
@@ -86,7 +88,9 @@ def test_q4_layers_load_in_the_kernels_layout(tmp_path, monkeypatch):
         assert file.layers[0].gate_up_proj.weight.qtype == Q4_1
         assert w.tiled == (ops() is not None and ops().packed_amx())
         assert split.layers[0].gate_up_proj.weight.qtype == (Q4_1_SPLIT if ops() is not None and ops().PACKED_SPLIT else Q4_1)
-        assert not kernel.embed_tokens.weight.tiled and (embed == "Q4_1" or kernel.embed_tokens.weight.qtype == Q8_0)
+        e = kernel.embed_tokens.weight
+        assert e.tiled == (embed == "Q4_1" and ops() is not None and ops().packed_amx() and e.shape[0] % 16 == 0)
+        assert file_type(e.qtype) == (Q8_0 if embed == "Q8_0" else Q4_1)
         ids = prompt(12, seed=3)
         for model in (kernel, split):
             assert torch.equal(model.layers[0].gate_up_proj.weight.dequantize(), file.layers[0].gate_up_proj.weight.dequantize())

@@ -10,7 +10,7 @@ from gguf import GGML_QUANT_SIZES, quants
 from minispec.kernels import build_cpp
 from minispec.kernels.cpu import CFLAGS, SOURCES, ops
 from minispec.kernels.ggml import PACKED_TYPES, SPLIT_OF, TILES_OF, file_type
-from minispec.layers.quant import (PackedWeight, dequantize_ref, join_rows, kernel_layout, kernel_qtype, linear, linear_ref,
+from minispec.layers.quant import (PackedWeight, dequantize_ref, embedding, join_rows, kernel_layout, kernel_qtype, linear, linear_ref,
                                   untile_rows)
 
 TYPES = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0, "F16": T.F16, "BF16": T.BF16}
@@ -266,7 +266,8 @@ def test_split_rows_hold_the_files_bytes(name):
 def test_tiled_rows_hold_the_files_bytes(name):
     """tile_rows only reorders a group's bytes: untile_rows gives the file's rows back, the values dequantise as gguf's,
     kernel_layout tiles exactly where the AMX kernel runs and the rows are whole groups of 16, a tiled weight refuses
-    other row counts, and its rows / columns / permuted rows come out as the file's would."""
+    other row counts, its rows / columns / permuted rows come out as the file's would, and rows looked up by id
+    (embedding) dequantise to the file's rows exactly."""
     w, ref = packed(TILES[name], 48, 320)
     t = w.as_type(TILES_OF[w.qtype])
     assert t.tiled and t.data.shape == w.data.shape and not torch.equal(t.data, w.data)
@@ -275,8 +276,8 @@ def test_tiled_rows_hold_the_files_bytes(name):
     assert torch.equal(dequantize_ref(t.data, t.qtype, 320), torch.from_numpy(ref))
     assert torch.equal(t.dequantize(), torch.from_numpy(ref))  # the C++ op's tiled unpacking where built
     amx = ops() is not None and ops().packed_amx()
-    assert kernel_layout(w).qtype == (t.qtype if amx else kernel_qtype(w.qtype, "cpu"))
-    assert kernel_layout(w.rows(0, 40)).qtype != t.qtype and kernel_qtype(w.qtype, "cpu", None) != t.qtype
+    assert kernel_layout(w).qtype == (t.qtype if amx else kernel_qtype(w.qtype, "cpu", 40))
+    assert kernel_layout(w.rows(0, 40)).qtype != t.qtype and kernel_qtype(w.qtype, "cpu", 40) != t.qtype
     with pytest.raises(ValueError, match="whole groups of 16 rows; got 40"):
         PackedWeight(w.data[:40].clone(), t.qtype, 320)
     assert torch.equal(t.rows(16, 32).data, t.data[16:48]) and t.rows(16, 32).tiled  # whole groups: a view
@@ -286,6 +287,11 @@ def test_tiled_rows_hold_the_files_bytes(name):
     assert flip.tiled and torch.equal(flip.joined().data, w.data.flip(0))
     x = torch.randn(300, 320, generator=torch.Generator().manual_seed(0))  # past PACKED_MAX_ROWS: still the packed op
     assert rel_err(linear(x, t), x @ torch.from_numpy(ref).T) < 1e-5
+    ids = torch.tensor([[47, 0, 16], [15, 31, 47]])
+    assert torch.equal(embedding(ids, t, torch.float32), torch.from_numpy(ref)[ids])
+    if ops() is not None:
+        with pytest.raises(RuntimeError, match="row 48 outside the weight's 48 rows"):
+            ops().packed_rows(t.data, t.qtype, 320, torch.tensor([48]))
 
 
 @pytest.mark.parametrize("name", list(SPLIT))

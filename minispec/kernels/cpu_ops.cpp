@@ -87,9 +87,8 @@ std::vector<torch::Tensor> head_layer(torch::Tensor ids, torch::Tensor feature, 
   TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && feature.dim() == 2 &&
                   feature.size(0) == ids.size(0), "head_layer: ids must be [T] int64 and feature [T, F]");
   TORCH_CHECK(last.scalar_type() == torch::kInt64 && last.dim() == 1, "head_layer: last must be [B] int64");
-  const torch::Tensor rows = embed.index_select(0, ids);
   const int64_t H = norms[0].numel();
-  const torch::Tensor emb = embed_qtype == F32 ? rows : packed_dequantize(rows, embed_qtype, H);  // [T, H]
+  const torch::Tensor emb = embed_qtype == F32 ? embed.index_select(0, ids) : packed_rows(embed, embed_qtype, H, ids);
   const torch::Tensor hidden = fuse ? layer_linear(feature, weights, qtypes, biases, 0) : feature;  // [T, H]
   const torch::Tensor x = torch::cat({add_rms_norm(emb, c10::nullopt, norms[0], eps),
                                       add_rms_norm(hidden, c10::nullopt, norms[1], eps)}, 1);  // [T, 2H]
@@ -108,6 +107,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PACKED_ISA") = PACKED_ISA;
   m.attr("PACKED_MAX_ROWS") = PACKED_MAX_ROWS;
   m.attr("PACKED_SPLIT") = PACKED_SPLIT;
+  m.def("packed_rows", &packed_rows, "rows ids of a packed weight (any layout, tiled included), dequantised");
   m.def("packed_amx", &packed_amx, "whether packed_linear takes the AMX tiles (the tiled layout; 9+ rows of x in others)");
   m.def("packed_linear", &packed_linear, "x [M, K] f32 @ packed w [N, K]^T -> [M, N] f32");
   m.def("dense_linear", &dense_linear, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), "x [M, K] f32 @ w [N, K]^T f32 (+ bias) -> [M, N] f32 (each weight row read once for up to 16 rows)");

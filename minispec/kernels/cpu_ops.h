@@ -49,6 +49,7 @@ bool packed_amx();
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor packed_dequantize(torch::Tensor w, int64_t qtype, int64_t K);
+torch::Tensor packed_rows(torch::Tensor w, int64_t qtype, int64_t K, torch::Tensor ids);
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 std::vector<torch::Tensor> greedy_argmax(torch::Tensor logits);

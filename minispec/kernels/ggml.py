@@ -46,6 +46,9 @@ PACKED_TYPES: dict[int, BlockFormat] = {
 BLOCK_TYPES = (Q4_0, Q4_1, Q8_0, Q4_0_SPLIT, Q4_1_SPLIT, Q4_0_TILES, Q4_1_TILES)  # quantised: rows of whole blocks
 
 
+FILE_TYPE_OF = {layout: t for of in (SPLIT_OF, TILES_OF) for t, layout in of.items()}  # memory-only layout -> file's
+
+
 def file_type(qtype: int) -> int:
     """The file format whose values a layout holds: a split or tiled layout's, else the type itself."""
-    return next((t for t in SPLIT_OF if qtype in (SPLIT_OF[t], TILES_OF[t])), qtype)
+    return FILE_TYPE_OF.get(qtype, qtype)

@@ -1206,3 +1206,29 @@ torch::Tensor packed_dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
   });
   return out;
 }
+
+// Rows ids [n] of w [N, row_bytes] -> float32 [n, K], each as packed_dequantize gives it (a tiled layout's rows are no
+// slices of its bytes: unpacked from their groups).
+torch::Tensor packed_rows(torch::Tensor w, int64_t qtype, int64_t K, torch::Tensor ids) {
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "packed_rows: ids must be [n] int64");
+  if (!tiled(qtype)) return packed_dequantize(w.index_select(0, ids), qtype, K);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.size(1) == row_bytes(qtype, K) &&
+                  w.size(0) % TILE_ROWS == 0 && w.is_contiguous(),
+              "packed_rows: a tiled w must be [N, row_bytes] uint8, contiguous, whole groups of 16 rows");
+  const int64_t n = ids.size(0), N = w.size(0), G = K / GROUP;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; i++)
+    TORCH_CHECK(id[i] >= 0 && id[i] < N, "packed_rows: row ", id[i], " outside the weight's ", N, " rows");
+  auto out = torch::empty({n, K}, w.options().dtype(torch::kFloat));
+  const uint8_t* wd = w.data_ptr<uint8_t>();
+  float* od = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(K + 2 * G);
+    float *wf = buf.data(), *d = wf + K, *m = d + G;
+    for (int64_t i = begin; i < end; i++) {
+      unpack_tiled_row(qtype, wd, id[i], G, wf, d, m);
+      for (int64_t k = 0; k < K; k++) od[i * K + k] = d[k / GROUP] * wf[k] + m[k / GROUP];
+    }
+  });
+  return out;
+}

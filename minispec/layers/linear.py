@@ -21,15 +21,13 @@ def _dense(rows: int, cols: int, dtype, device, fill_zero: bool = False) -> nn.P
     return nn.Parameter(new(rows, cols, dtype=dtype, device=device), requires_grad=False)
 
 
-def _rows_like(src: torch.Tensor | PackedWeight, rows: int, cols: int, dtype, device, fill_zero: bool = False,
-               looked_up: bool = False):
+def _rows_like(src: torch.Tensor | PackedWeight, rows: int, cols: int, dtype, device, fill_zero: bool = False):
     """An empty weight of `rows` rows for src's kind: PackedWeight of src's format in the kernels' layout
-    (quant.kernel_qtype, never tiled for a weight whose rows are looked_up; zero bytes are zero values), or a dense
-    Parameter."""
+    (quant.kernel_qtype; zero bytes are zero values), or a dense Parameter."""
     if isinstance(src, PackedWeight):
         new = torch.zeros if fill_zero else torch.empty
         data = new(rows, row_bytes(src.qtype, cols), dtype=torch.uint8, device=device)
-        return PackedWeight(data, kernel_qtype(file_type(src.qtype), device, None if looked_up else rows), cols)
+        return PackedWeight(data, kernel_qtype(file_type(src.qtype), device, rows), cols)
     return _dense(rows, cols, dtype, device, fill_zero)
 
 
@@ -180,8 +178,7 @@ class VocabParallelEmbedding(nn.Module):
     def load(self, weight: torch.Tensor | PackedWeight) -> None:
         """Copy this rank's rows of the full [vocab_size, hidden] weight (padded rows stay zero)."""
         if self.weight is None:
-            self.weight = _rows_like(weight, self.shard_size, self.hidden_size, self.dtype, self.device, fill_zero=True,
-                                     looked_up=True)
+            self.weight = _rows_like(weight, self.shard_size, self.hidden_size, self.dtype, self.device, fill_zero=True)
         _check_kind(self.weight, weight)
         _copy_rows(self.weight, 0, weight, self.shard_start, self.num_real)
 

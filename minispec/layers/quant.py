@@ -196,15 +196,15 @@ def relayout(data: torch.Tensor, qtype: int, to: int) -> torch.Tensor:
     return split_rows(data, ft) if to in SPLIT_OF.values() else tile_rows(data, ft)
 
 
-def kernel_qtype(qtype: int, device, rows: int | None = None) -> int:
+def kernel_qtype(qtype: int, device, rows: int) -> int:
     """The layout the CPU kernels read qtype's rows in fastest: a Q4_0 / Q4_1 weight of `rows` rows on CPU tiled
-    where the AMX kernel runs it and rows is a multiple of 16 (None: a weight whose rows are looked up, never tiled),
-    else split where the AVX-512 kernels run it; anything else as it is. MINISPEC_FILE_LAYOUT=1 keeps the file's,
+    where the AMX kernel runs it and rows is a multiple of 16 (an embedding too: its lookups read the tiles), else
+    split where the AVX-512 kernels run it; anything else as it is. MINISPEC_FILE_LAYOUT=1 keeps the file's,
     MINISPEC_NO_TILES=1 the split one (to measure one against another)."""
     if qtype not in SPLIT_OF or torch.device(device).type != "cpu" or os.environ.get("MINISPEC_FILE_LAYOUT") or \
             (ext := _cpu_ops()) is None:
         return qtype
-    if rows is not None and rows % TILE_ROWS == 0 and ext.packed_amx() and not os.environ.get("MINISPEC_NO_TILES"):
+    if rows % TILE_ROWS == 0 and ext.packed_amx() and not os.environ.get("MINISPEC_NO_TILES"):
         return TILES_OF[qtype]
     return SPLIT_OF[qtype] if ext.PACKED_SPLIT else qtype
 
@@ -302,10 +302,12 @@ def embedding(ids: torch.Tensor, w: torch.Tensor | PackedWeight, dtype: torch.dt
     """Rows of w for ids [...] -> [..., K]; a packed weight dequantises only the rows looked up."""
     if not isinstance(w, PackedWeight):
         return F.embedding(ids, w)
-    if w.tiled:
-        raise ValueError(f"embedding: {type_name(w.qtype)} rows are not slices of its bytes; look up a file or split layout")
-    rows = PackedWeight(w.data[ids.reshape(-1)], w.qtype, w.in_features)
-    return rows.dequantize().to(dtype).view(*ids.shape, w.in_features)
+    flat = ids.reshape(-1)
+    if w.data.device.type == "cpu" and (ext := _cpu_ops()) is not None:  # a tiled layout's rows are no slices
+        rows = ext.packed_rows(w.data, w.qtype, w.in_features, flat.long())
+    else:
+        rows = dequantize_ref((w.joined() if w.tiled else w).data[flat], file_type(w.qtype), w.in_features)
+    return rows.to(dtype).view(*ids.shape, w.in_features)
 
 
 def _onednn_linear():
