@@ -145,11 +145,12 @@ def test_proposals_are_the_head_on_the_accepted_context(target, version, draft_v
         torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("min_confidence", [0.02, 0.05])
-def test_confidence_gate_cuts_where_the_heads_probability_falls(target, min_confidence):
+def test_confidence_gate_cuts_where_the_heads_probability_falls(target, min_confidence, fused):
     """min_confidence: a greedy proposal keeps draft j only while the product of the head's probabilities of drafts
     1 .. j (read back from the cached logits) is at least the bound, the rest are -1, the engine verifies the kept
-    drafts alone, and greedy output equals the target's alone."""
+    drafts alone, and greedy output equals the target's alone; with every step in one C++ call (fused) and without."""
     head = make_tiny_head(target.config, version=3, draft_vocab_size=100, seed=2)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [10, 11, 12], list(range(20, 40))]
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -157,6 +158,7 @@ def test_confidence_gate_cuts_where_the_heads_probability_falls(target, min_conf
     llm = LLM(target, draft=head, num_speculative_tokens=3, max_num_seqs=4)
     eng = llm.engine
     rec = Recorder(eng.proposer.runner, eng.target, 3, min_confidence=min_confidence)
+    rec.fused_greedy = fused
     eng.proposer = rec
     out = llm.generate(prompts, sp)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
@@ -172,6 +174,40 @@ def test_confidence_gate_cuts_where_the_heads_probability_falls(target, min_conf
     cut = sum(d < 0 for _, drafts, _ in rec.seen for d in drafts)
     assert kept > 0 and cut > 0  # the bound cut some proposals and left drafts in others
     assert sum(o.metrics["num_draft_tokens"] for o in out) <= kept
+
+
+@pytest.mark.parametrize("min_confidence, quant", [(0.0, None), (0.05, None), (0.05, "int8")])
+def test_greedy_steps_in_one_call_equal_the_step_by_step_loop(target, min_confidence, quant):
+    """HeadRunner.greedy (every greedy draft step in one C++ call, the gate included) == the proposer's loop of
+    HeadRunner.forward calls: the same drafts and the same cached logits (bit for bit) in every proposal of an engine
+    run with chunked prefills and several requests, and greedy output equal to the target's alone."""
+    head = make_tiny_head(target.config, version=3, draft_vocab_size=100, seed=2)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [10, 11, 12], list(range(20, 40))]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = LLM(target, draft=None).generate(prompts, sp)
+    seen, calls = {}, []
+    for fused in (True, False):
+        llm = LLM(target, draft=head, num_speculative_tokens=3, max_num_seqs=4, max_num_batched_tokens=16,
+                  draft_quantization=quant)
+        eng = llm.engine
+        rec = Recorder(eng.proposer.runner, eng.target, 3, min_confidence=min_confidence)
+        rec.fused_greedy = fused
+
+        def counted(*a, greedy=rec.runner.greedy, fused=fused):
+            out = greedy(*a)
+            calls.append((fused, out is not None))
+            return out
+
+        rec.runner.greedy = counted
+        eng.proposer = rec
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in ref]
+        seen[fused] = rec.seen
+    assert calls and all(f and ran for f, ran in calls)  # the one call ran, and never where it was off
+    assert len(seen[True]) == len(seen[False]) >= 10
+    for (c1, d1, l1), (c2, d2, l2) in zip(seen[True], seen[False]):
+        assert c1 == c2 and d1 == d2 and torch.equal(l1, l2)
+    if min_confidence:
+        assert any(d < 0 for _, drafts, _ in seen[True] for d in drafts)  # the gate cut some drafts
 
 
 def test_draft_min_confidence_reaches_the_head_and_its_policy(target):

@@ -103,6 +103,66 @@ std::vector<torch::Tensor> head_layer(torch::Tensor ids, torch::Tensor feature, 
   return {layer_linear(normed, weights, qtypes, biases, 5), residual};
 }
 
+// Greedy drafting with an EAGLE-3 head, every step in one call: step 0 is head_layer over the batch given (fuse on);
+// step j >= 1 feeds request b, at one position each, its step j - 1 argmax (a draft-vocabulary row, as the target id
+// draft_ids[row]) with the head's own output, at step_positions / step_write_index / step_cos_sin [B, steps - 1, ...]
+// (the caller's: rope_cache_attend's arguments per step). Request b stops drafting at step j unless the product of
+// the head's largest probability at steps 0 .. j is at least min_confidence (each softmax in float64 over float32
+// logits); the steps end once every request has stopped. Returns (logits [S, B, V_draft], argmax rows [S, B] int64,
+// drafting [S, B] bool) for the S <= steps steps run.
+std::vector<torch::Tensor> head_greedy(torch::Tensor ids, torch::Tensor feature, torch::Tensor embed,
+                                       int64_t embed_qtype, const std::vector<torch::Tensor>& weights,
+                                       const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases,
+                                       const std::vector<torch::Tensor>& norms, torch::Tensor k_cache,
+                                       torch::Tensor v_cache, torch::Tensor cos_sin, torch::Tensor write_index,
+                                       torch::Tensor positions, torch::Tensor read_slots, torch::Tensor last,
+                                       int64_t n_heads, int64_t n_kv_heads, double scale, double eps, int64_t steps,
+                                       torch::Tensor draft_ids, double min_confidence, torch::Tensor step_cos_sin,
+                                       torch::Tensor step_positions, torch::Tensor step_write_index) {
+  const int64_t B = last.numel();
+  TORCH_CHECK(steps >= 1 && draft_ids.scalar_type() == torch::kInt64 && draft_ids.dim() == 1,
+              "head_greedy: steps >= 1 and draft_ids [V_draft] int64");
+  TORCH_CHECK(step_positions.scalar_type() == torch::kInt64 && step_write_index.scalar_type() == torch::kInt64 &&
+                  step_positions.dim() == 2 && step_positions.size(0) == B && step_positions.size(1) == steps - 1 &&
+                  step_write_index.sizes() == step_positions.sizes() && step_cos_sin.size(0) == B &&
+                  step_cos_sin.size(1) == steps - 1,
+              "head_greedy: step_positions, step_write_index and step_cos_sin must be [B, steps - 1, ...]");
+  const torch::Tensor all_rows = torch::arange(B, last.options());
+  std::vector<torch::Tensor> logits, rows, drafting;
+  std::vector<double> confidence(B, 1.0);
+  auto keep = torch::ones({B}, last.options().dtype(torch::kBool));
+  bool* kp = keep.data_ptr<bool>();
+  std::vector<torch::Tensor> r = head_layer(ids, feature, true, embed, embed_qtype, weights, qtypes, biases, norms,
+                                            k_cache, v_cache, cos_sin, write_index, positions, read_slots, last,
+                                            n_heads, n_kv_heads, scale, eps);
+  for (int64_t j = 0;; j++) {
+    const torch::Tensor lj = r[0];  // [B, V_draft]
+    const torch::Tensor row = greedy_argmax(lj)[0];  // [B]
+    logits.push_back(lj);
+    rows.push_back(row);
+    if (min_confidence > 0) {
+      const int64_t V = lj.size(1);
+      const float* lp = lj.data_ptr<float>();
+      const int64_t* rp = row.data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; b++) {
+        const float* l = lp + b * V;
+        const double top = l[rp[b]];
+        double sum = 0.0;
+        for (int64_t v = 0; v < V; v++) sum += std::exp((double)l[v] - top);
+        kp[b] = kp[b] && confidence[b] / sum >= min_confidence;  // the largest probability is 1 / sum
+        confidence[b] /= sum;
+      }
+    }
+    drafting.push_back(keep.clone());
+    if (j + 1 == steps || !keep.any().item<bool>()) break;
+    const torch::Tensor next_ids = draft_ids.index_select(0, row);
+    r = head_layer(next_ids, r[1], false, embed, embed_qtype, weights, qtypes, biases, norms, k_cache, v_cache,
+                   step_cos_sin.select(1, j).contiguous(), step_write_index.select(1, j).contiguous(),
+                   step_positions.select(1, j).contiguous(), read_slots, all_rows, n_heads, n_kv_heads, scale, eps);
+  }
+  return {torch::stack(logits), torch::stack(rows), torch::stack(drafting)};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PACKED_ISA") = PACKED_ISA;
   m.attr("PACKED_MAX_ROWS") = PACKED_MAX_ROWS;
@@ -124,4 +184,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_cache_attend", &rope_cache_attend, "RoPE, KV cache write and attention for short queries");
   m.def("decode_layers", &decode_layers, "every decoder layer over a short forward, in one call");
   m.def("head_layer", &head_layer, "an EAGLE-3 head's forward over a short batch, in one call");
+  m.def("head_greedy", &head_greedy, "an EAGLE-3 head's greedy drafting steps, in one call");
 }

@@ -53,14 +53,8 @@ class HeadRunner:
             if cfg.draft_vocab_size == target_model.vocab_size else False
         self.forward_s = 0.0
 
-    @torch.inference_mode()
-    def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]], features: list[torch.Tensor],
-                fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Request i feeds tokens[i] (the tokens after each position) at positions starts[i].. with features[i]
-        [len, C * hidden] (fused: the target's captured states, fc applied here) or [len, hidden] (the head's
-        own outputs). Returns the last position's (draft-vocabulary logits [n, draft_vocab], pre-norm output
-        [n, hidden]) per request, in request order."""
-        t0 = time.perf_counter()
+    def _batch(self, slots: list[int], starts: list[int], tokens: list[list[int]], features: list[torch.Tensor]):
+        """(slot order, ForwardBatch, attention metadata, features [B * L, F] in slot order) of a forward."""
         order = sorted(range(len(slots)), key=slots.__getitem__)
         batch = ForwardBatch.build([slots[i] for i in order], [starts[i] for i in order],
                                    [tokens[i] for i in order], self.kv.scratch_slot, self.device)
@@ -75,15 +69,32 @@ class HeadRunner:
             for b, i in enumerate(order):
                 feats[b, : lens[b]] = features[i]
             feats = feats.view(B * L, -1)
-        w, cfg = self.weights, self.cfg
+        cfg = self.cfg
         meta = AttentionMetadata.build(batch, self.rotary(batch.positions, batch.max_ctx), self.kv.k[0],
                                        cfg.num_attention_heads // cfg.num_key_value_heads)
-        if meta.fused and (args := self.cpu_args()):  # the steps below in one C++ call, same kernels
-            logits, out = cpu.ops().head_layer(
-                batch.input_ids.view(-1), feats, fused, *args, self.kv.k[0], self.kv.v[0],
+        return order, batch, meta, feats
+
+    def _head_args(self, batch: ForwardBatch, meta: AttentionMetadata, feats: torch.Tensor, args: tuple) -> tuple:
+        """head_layer's (and head_greedy's) arguments for a forward, but the fuse flag."""
+        cfg = self.cfg
+        return (batch.input_ids.view(-1), feats, *args, self.kv.k[0], self.kv.v[0],
                 torch.view_as_real(meta.freqs_cis), meta.write_index, batch.positions, batch.read_slots, batch.last,
-                cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim ** -0.5, cfg.rms_norm_eps,
-            )  # [B, draft_vocab], [B, H]
+                cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim ** -0.5, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, slots: list[int], starts: list[int], tokens: list[list[int]], features: list[torch.Tensor],
+                fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request i feeds tokens[i] (the tokens after each position) at positions starts[i].. with features[i]
+        [len, C * hidden] (fused: the target's captured states, fc applied here) or [len, hidden] (the head's
+        own outputs). Returns the last position's (draft-vocabulary logits [n, draft_vocab], pre-norm output
+        [n, hidden]) per request, in request order."""
+        t0 = time.perf_counter()
+        order, batch, meta, feats = self._batch(slots, starts, tokens, features)
+        B, L = batch.input_ids.shape
+        w, cfg = self.weights, self.cfg
+        if meta.fused and (args := self.cpu_args()):  # the steps below in one C++ call, same kernels
+            ids, feats, *rest = self._head_args(batch, meta, feats, args)
+            logits, out = cpu.ops().head_layer(ids, feats, fused, *rest)  # [B, draft_vocab], [B, H]
         else:
             hidden = (w.fuse(feats) if fused else feats).view(B, L, -1)  # [B, L, H]
             emb = self.target.embed_tokens(batch.input_ids).float()  # [B, L, H]
@@ -93,13 +104,37 @@ class HeadRunner:
             attn = attn.reshape(B * L, -1).index_select(0, batch.last)
             out = w.layer_output(attn, residual.reshape(B * L, -1).index_select(0, batch.last))  # [B, H]
             logits = w.logits(out, lambda h: self.target.compute_logits(h))
-        if order != list(range(len(order))):  # back to request order
-            inv = torch.empty(len(order), dtype=torch.long)
-            inv[torch.tensor(order)] = torch.arange(len(order))
-            inv = inv.to(self.device)
-            logits, out = logits.index_select(0, inv), out.index_select(0, inv)
+        logits, out = _request_order(order, 0, logits, out)
         self.forward_s += time.perf_counter() - t0
         return logits, out
+
+    @torch.inference_mode()
+    def greedy(self, slots: list[int], starts: list[int], tokens: list[list[int]], features: list[torch.Tensor],
+               num_steps: int, min_confidence: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """HeadProposer's greedy steps in one C++ call (head_greedy): step 0 as forward(..., fused=True), step j feeds
+        each request's step j - 1 argmax with the head's own output. Returns (logits [S, n, draft_vocab], argmax rows
+        [S, n], drafting [S, n]: the confidence gate) in request order for the S <= num_steps steps run (all stopped:
+        no more), or None where the C++ layer does not apply (forward's other path)."""
+        t0 = time.perf_counter()
+        order, batch, meta, feats = self._batch(slots, starts, tokens, features)
+        if not (meta.fused and (args := self.cpu_args())):
+            return None
+        B, cfg = len(order), self.cfg
+        last = batch.positions.view(-1).index_select(0, batch.last).view(B, 1)  # [B, 1] each request's last position
+        positions = last + torch.arange(1, num_steps, device=self.device)  # [B, num_steps - 1]: the later steps'
+        write_index = positions + batch.read_slots.view(B, 1) * self.kv.k[0].shape[1]  # [B, num_steps - 1]
+        if num_steps > 1:
+            if (ctx := int(positions.max()) + 1) > self.max_len:
+                raise ValueError(f"context of {ctx} tokens exceeds the head's KV cache of {self.max_len}")
+            cos_sin = torch.view_as_real(self.rotary(positions, ctx))  # [B, num_steps - 1, 1, head_dim / 2, 2]
+        else:
+            cos_sin = torch.empty(B, 0, 1, cfg.head_dim // 2, 2, device=self.device)
+        logits, rows, drafting = cpu.ops().head_greedy(
+            *self._head_args(batch, meta, feats, args), num_steps, self.draft_ids, float(min_confidence),
+            cos_sin.contiguous(), positions.contiguous(), write_index.contiguous())
+        out = _request_order(order, 1, logits, rows, drafting)
+        self.forward_s += time.perf_counter() - t0
+        return out
 
     def cpu_args(self) -> tuple | None:
         """head_layer's arguments after the features: the target's token embedding (its packed rows or dense
@@ -161,6 +196,7 @@ class HeadProposer:
         self.k = k
         self.lookup = lookup
         self.min_confidence = min_confidence
+        self.fused_greedy = True  # greedy batches draft every step in one C++ call where it applies (HeadRunner.greedy)
         self.vocab_size = runner.target.vocab_size
         # slot -> (first position p0, buffer [capacity, C * H], n): the states of positions p0 .. p0 + n - 1 are
         # buffer[:n]; the buffer doubles when full, so a head kept off by adaptive k costs O(1) a step, not O(n)
@@ -240,14 +276,28 @@ class HeadProposer:
             tokens.append(r.token_ids[start + 1 : n + 1])
             feats.append(states[start - p0 : n - p0])
             self.pending[r.slot] = (n, states, 0)  # the buffer is reused: feats are read before the next forward
-        fused = True
-        for j in range(num_steps):
-            logits, hidden = self.runner.forward(slots, starts, tokens, feats, fused)
+
+        def write(j: int, logits: torch.Tensor) -> None:  # step j's logits [num_reqs, draft_vocab] into our rows
             ours = logits if mine is None else logits[mine]
             if self.runner.identity_vocab:
                 cache.write(rows, j, ours)
             else:
                 cache.write_subset(rows, j, ours, self.runner.draft_ids)
+
+        if greedy and self.fused_greedy and \
+                (steps := self.runner.greedy(slots, starts, tokens, feats, num_steps, self.min_confidence)) is not None:
+            logits, rows_run, drafting = steps  # [S, num_reqs, draft_vocab], [S, num_reqs], [S, num_reqs]
+            for j in range(logits.shape[0]):
+                write(j, logits[j])
+            drafted = self.runner.host_draft_ids[rows_run.numpy().T]  # [num_reqs, S] target ids
+            drafts[:, : logits.shape[0]] = np.where(drafting.numpy().T, drafted, -1)
+            for r in reqs:
+                r.num_draft_computed = r.num_computed
+            return drafts
+        fused = True
+        for j in range(num_steps):
+            logits, hidden = self.runner.forward(slots, starts, tokens, feats, fused)
+            write(j, logits)
             if greedy:  # the argmax over the draft vocabulary's rows: a sixth of the full row's work
                 rows_j = greedy_tokens(logits)[0].cpu().numpy()  # [num_reqs] draft-vocabulary rows
                 tok = self.runner.host_draft_ids[rows_j]
@@ -277,3 +327,12 @@ class HeadProposer:
     def free(self, req: Drafting) -> None:
         self.pending.pop(req.slot, None)
         req.num_draft_computed = 0
+
+
+def _request_order(order: list[int], dim: int, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Tensors whose dim `dim` runs in slot order (order[b]: the request at position b) back in request order."""
+    if order == list(range(len(order))):
+        return ts
+    inv = torch.empty(len(order), dtype=torch.long)
+    inv[torch.tensor(order)] = torch.arange(len(order))
+    return tuple(t.index_select(dim, inv.to(t.device)) for t in ts)
