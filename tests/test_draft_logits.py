@@ -225,3 +225,30 @@ def test_multi_rank(nproc):
     for rank in range(nproc):
         assert f"rank {rank}: OK" in out
         assert f"rank {rank}/{nproc}: values bytes sharded" in out
+
+
+@pytest.mark.parametrize("subset", [False, True])
+def test_writes_of_several_steps_equal_one_step_at_a_time(fake_tp, subset):
+    """write / write_subset of logits [num_mine, S, ...] (steps 1 .. S) == S one-step writes; write_subset leaves -inf
+    at every id outside its subset (also where the row held other values)."""
+    fake_tp(1, 0)
+    g = torch.Generator().manual_seed(0)
+    caches = [make_cache(max_num_reqs=4, num_steps=4, vocab_size=30, sharded=False) for _ in range(2)]
+    V, S = caches[0].values.shape[-1], 2
+    ids = torch.randperm(V, generator=g)[: V // 3]
+    rows = torch.tensor([2, 0])
+    logits = torch.randn(2, S, len(ids) if subset else V, generator=g)
+    for c in caches:
+        c.values.normal_(generator=g)  # stale values the writes must replace
+    many, one = caches
+    one.values.copy_(many.values)
+    if subset:
+        many.write_subset(rows, 1, logits, ids)
+        for j in range(S):
+            one.write_subset(rows, 1 + j, logits[:, j], ids)
+        assert bool((many.values[rows, 1 : 1 + S].isneginf().sum(-1) == V - len(ids)).all())
+    else:
+        many.write(rows, 1, logits)
+        for j in range(S):
+            one.write(rows, 1 + j, logits[:, j])
+    assert torch.equal(many.values, one.values)

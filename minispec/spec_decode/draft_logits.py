@@ -201,17 +201,20 @@ class DraftLogitsCache:
         return self.nbytes // self.num_rows
 
     def write(self, rows: torch.Tensor, step: int, logits: torch.Tensor) -> None:
-        """Cache one draft step's logits [num_mine, V] at this rank's rows [num_mine] (each >= 0)."""
-        self.values[rows, step] = logits.to(self.values.dtype)
+        """Cache draft logits at this rank's rows [num_mine] (each >= 0): one step's [num_mine, V], or [num_mine, S,
+        V] for steps step .. step + S - 1."""
+        logits = logits if logits.dim() == 3 else logits.unsqueeze(1)  # [num_mine, S, V]
+        self.values[rows, step : step + logits.shape[1]] = logits.to(self.values.dtype)
 
     def write_subset(self, rows: torch.Tensor, step: int, logits: torch.Tensor, ids: torch.Tensor) -> None:
-        """Cache one draft step's logits over the vocabulary ids [num_ids] (logits [num_mine, num_ids]) at this
-        rank's rows [num_mine] (each >= 0), -inf at every other id."""
-        logits = logits.to(self.values.dtype)
+        """Cache draft logits over the vocabulary ids [num_ids] at this rank's rows [num_mine] (each >= 0), -inf at
+        every other id: one step's [num_mine, num_ids], or [num_mine, S, num_ids] for steps step .. step + S - 1."""
+        logits = (logits if logits.dim() == 3 else logits.unsqueeze(1)).to(self.values.dtype)  # [num_mine, S, num_ids]
+        index = ids.expand(logits.shape[1], -1)  # [S, num_ids]
         for i, row in enumerate(rows.tolist()):  # a fill and a scatter per row: a third of one advanced-index write's time
-            out = self.values[row, step]  # [V]
+            out = self.values[row, step : step + logits.shape[1]]  # [S, V]
             out.fill_(float("-inf"))
-            out.scatter_(0, ids, logits[i])
+            out.scatter_(1, index, logits[i])
 
     def write_one_hot(self, rows: torch.Tensor, drafts: torch.Tensor) -> None:
         """Cache one-hot draft logits (0 at the draft, -inf elsewhere) in the rows this rank owns.

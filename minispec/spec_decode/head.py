@@ -277,7 +277,7 @@ class HeadProposer:
             feats.append(states[start - p0 : n - p0])
             self.pending[r.slot] = (n, states, 0)  # the buffer is reused: feats are read before the next forward
 
-        def write(j: int, logits: torch.Tensor) -> None:  # step j's logits [num_reqs, draft_vocab] into our rows
+        def write(j: int, logits: torch.Tensor) -> None:  # logits [num_reqs, (S,) draft_vocab] of steps j.. in our rows
             ours = logits if mine is None else logits[mine]
             if self.runner.identity_vocab:
                 cache.write(rows, j, ours)
@@ -287,8 +287,7 @@ class HeadProposer:
         if greedy and self.fused_greedy and \
                 (steps := self.runner.greedy(slots, starts, tokens, feats, num_steps, self.min_confidence)) is not None:
             logits, rows_run, drafting = steps  # [S, num_reqs, draft_vocab], [S, num_reqs], [S, num_reqs]
-            for j in range(logits.shape[0]):
-                write(j, logits[j])
+            write(0, logits.transpose(0, 1))
             drafted = self.runner.host_draft_ids[rows_run.numpy().T]  # [num_reqs, S] target ids
             drafts[:, : logits.shape[0]] = np.where(drafting.numpy().T, drafted, -1)
             for r in reqs:
