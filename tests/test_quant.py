@@ -10,8 +10,8 @@ from gguf import GGML_QUANT_SIZES, quants
 from minispec.kernels import build_cpp
 from minispec.kernels.cpu import CFLAGS, SOURCES, ops
 from minispec.kernels.ggml import PACKED_TYPES, SPLIT_OF, TILES_OF, file_type
-from minispec.layers.quant import (PackedWeight, dequantize_ref, embedding, join_rows, kernel_layout, kernel_qtype, linear, linear_ref,
-                                  untile_rows)
+from minispec.layers.quant import (PackedWeight, dequantize_ref, embedding, join_rows, kernel_layout, kernel_qtype,
+                                  linear, linear_ref, untile_rows)
 
 TYPES = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0, "F16": T.F16, "BF16": T.BF16}
 SPLIT = {"Q4_0 split": "Q4_0", "Q4_1 split": "Q4_1"}  # the memory-only layouts, made from gguf's rows
