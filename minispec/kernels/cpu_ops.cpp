@@ -107,9 +107,9 @@ std::vector<torch::Tensor> head_layer(torch::Tensor ids, torch::Tensor feature, 
 // step j >= 1 feeds request b, at one position each, its step j - 1 argmax (a draft-vocabulary row, as the target id
 // draft_ids[row]) with the head's own output, at step_positions / step_write_index / step_cos_sin [B, steps - 1, ...]
 // (the caller's: rope_cache_attend's arguments per step). Request b stops drafting at step j unless the product of
-// the head's largest probability at steps 0 .. j is at least min_confidence (each softmax in float64 over float32
-// logits); the steps end once every request has stopped. Returns (logits [S, B, V_draft], argmax rows [S, B] int64,
-// drafting [S, B] bool) for the S <= steps steps run.
+// the head's largest probability at steps 0 .. j (each from torch's float32 softmax, multiplied in float64, as
+// HeadProposer's loop does) is at least min_confidence; the steps end once every request has stopped. Returns
+// (logits [S, B, V_draft], argmax rows [S, B] int64, drafting [S, B] bool) for the S <= steps steps run.
 std::vector<torch::Tensor> head_greedy(torch::Tensor ids, torch::Tensor feature, torch::Tensor embed,
                                        int64_t embed_qtype, const std::vector<torch::Tensor>& weights,
                                        const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases,
@@ -141,16 +141,11 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor ids, torch::Tensor feature,
     logits.push_back(lj);
     rows.push_back(row);
     if (min_confidence > 0) {
-      const int64_t V = lj.size(1);
-      const float* lp = lj.data_ptr<float>();
-      const int64_t* rp = row.data_ptr<int64_t>();
+      const torch::Tensor top = torch::softmax(lj, 1).amax(1);  // [B] the law's largest probability
+      const float* tp = top.data_ptr<float>();
       for (int64_t b = 0; b < B; b++) {
-        const float* l = lp + b * V;
-        const double top = l[rp[b]];
-        double sum = 0.0;
-        for (int64_t v = 0; v < V; v++) sum += std::exp((double)l[v] - top);
-        kp[b] = kp[b] && confidence[b] / sum >= min_confidence;  // the largest probability is 1 / sum
-        confidence[b] /= sum;
+        confidence[b] *= tp[b];
+        kp[b] = kp[b] && confidence[b] >= min_confidence;
       }
     }
     drafting.push_back(keep.clone());

@@ -276,6 +276,7 @@ class HeadProposer:
             tokens.append(r.token_ids[start + 1 : n + 1])
             feats.append(states[start - p0 : n - p0])
             self.pending[r.slot] = (n, states, 0)  # the buffer is reused: feats are read before the next forward
+            r.num_draft_computed = n  # the proposal below writes entries < n; drafts are overwritten next time
 
         def write(j: int, logits: torch.Tensor) -> None:  # logits [num_reqs, (S,) draft_vocab] of steps j.. in our rows
             ours = logits if mine is None else logits[mine]
@@ -290,8 +291,6 @@ class HeadProposer:
             write(0, logits.transpose(0, 1))
             drafted = self.runner.host_draft_ids[rows_run.numpy().T]  # [num_reqs, S] target ids
             drafts[:, : logits.shape[0]] = np.where(drafting.numpy().T, drafted, -1)
-            for r in reqs:
-                r.num_draft_computed = r.num_computed
             return drafts
         fused = True
         for j in range(num_steps):
@@ -319,8 +318,6 @@ class HeadProposer:
             tokens = [[int(t)] for t in tok]  # a stopped request's row still feeds its drawn token: a valid id
             feats = hidden.split(1)  # [1, H] each
             fused = False
-        for r in reqs:
-            r.num_draft_computed = r.num_computed  # true entries below; the drafts' are overwritten next time
         return drafts
 
     def free(self, req: Drafting) -> None:
