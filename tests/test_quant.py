@@ -296,10 +296,10 @@ def test_tiled_rows_hold_the_files_bytes(name):
 
 @pytest.mark.parametrize("name", list(SPLIT))
 @pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 18, 48])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 def test_split_kernel_every_run_and_tail(name, blocks, rows):
-    """The split rows' kernel (runs of 4 blocks, then the rest one at a time, the minima 16 blocks per step; 1-8 rows
-    of x) against the float64 layer over gguf's dequantisation, activations from 1e-6 to 1e6. It computes
+    """The split rows' kernels (runs of 4 blocks under AVX-512, 2 under AVX2, then the rest one at a time, the minima
+    16 or 8 blocks per step; 1-8 rows of x) against the float64 layer over gguf's dequantisation, activations from 1e-6 to 1e6. It computes
     d (q . x) + m sum(x) per block, so its rounding is relative to sum (|d q| + |m|) |x| (Q4_0: m = -8 d): rel tol
     1e-5 of that."""
     w, ref = packed(name, 13, 32 * blocks, seed=blocks)

@@ -41,7 +41,7 @@ std::vector<std::vector<int64_t>> block_formats();
 // takes every layout.
 extern const char* const PACKED_ISA;
 extern const int64_t PACKED_MAX_ROWS;
-// Whether the one-row kernel reads Q4_0 / Q4_1 rows fastest split (layers/quant.py's kernel_layout).
+// Whether the few-row kernels read Q4_0 / Q4_1 rows fastest split (layers/quant.py's kernel_layout).
 extern const bool PACKED_SPLIT;
 // Whether packed_linear takes the AMX tiles (the tiled layout at any rows of x, others at 9 or more): built for a CPU
 // with AMX-BF16, the tile state granted by the kernel, MINISPEC_NO_AMX unset.

@@ -293,6 +293,124 @@ inline void block_rows_dot(const uint8_t* rows, int64_t wstride, int64_t G, cons
   for (int j = 0; j < NT; j++) out[j] = hsum(acc[j]) + macc[j];
 }
 
+// The split layout's one- and two-row kernels (tile_dot_split under AVX-512, split_dot_256 under AVX2) read a run of
+// SPLIT_LANES / 4 blocks as one vector of code bytes: SPLIT_LANES 32-bit lanes, each holding 8 codes of one block.
+#ifdef MS_AVX512
+constexpr int64_t SPLIT_LANES = 16;
+#else
+constexpr int64_t SPLIT_LANES = 8;
+#endif
+constexpr int64_t SPLIT_RUN = SPLIT_LANES / 4;  // blocks per run
+// Rows of x up to which split rows take the split kernels (docs/experiments.md): AVX-512's measured no faster than
+// the tiles in a 3-token forward; AVX2's beat the file layout's kernel up to 5 rows (0.8-0.95x its time per block).
+constexpr int64_t SPLIT_MAX_ROWS = SPLIT_LANES == 16 ? 2 : 5;
+// Floats between consecutive rows of x in split_order: whole runs, so each row stays 64-byte aligned.
+inline int64_t split_stride(int64_t G) { return G / SPLIT_RUN * 32 * SPLIT_RUN; }
+
+// x in the order the split kernels read codes: for each run c of SPLIT_RUN blocks (R = 32 SPLIT_RUN values),
+// xp[R c + SPLIT_LANES p + l] is the value whose code is nibble p of 32-bit lane l of the run's code bytes: code
+// 4 (l % 4) + p / 2 + 16 (p % 2) of block l / 4 (nibbles 5-7 are read as nibbles 2-4 of the lanes shifted by 12
+// bits), times the 2^(-4P) that undoes the nibble's scale (nibble / nibble8). A power of two: every product q x
+// rounds as before, unless x * 2^(-4P) is subnormal (|x| < 2^-110).
+void split_order(const float* x, int64_t G, float* xp) {
+  constexpr int64_t R = 32 * SPLIT_RUN;
+  for (int64_t c = 0; c < G / SPLIT_RUN; c++)
+    for (int p = 0; p < 8; p++) {
+      const float unit = std::ldexp(1.0f, -4 * (p < 5 ? p : p - 3));
+      for (int64_t l = 0; l < SPLIT_LANES; l++)
+        xp[R * c + SPLIT_LANES * p + l] = x[R * c + 32 * (l / 4) + 4 * (l % 4) + p / 2 + 16 * (p % 2)] * unit;
+    }
+}
+
+#ifndef MS_AVX512
+
+// Nibble P (0-4) of every 32-bit lane of v times 2^(4P), an exact float (below 2^20): one AND and one conversion.
+template <int P>
+inline __m256 nibble8(__m256i v) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15 << (4 * P))));
+}
+
+// AVX2's twin of tile_dot_split: RT rows of x (1 to 5; each in split_order, xp + r * ldxp; x and sx of stride ldx
+// and G) against NT split rows: out[r * ldo + j] = x_r . row j, as sum_g d_g (q_g . x_g) + sum_g m_g sx_g (Q4_0:
+// m_g = -8 d_g). A run of 2 blocks is one 32-byte load of codes and 8 nibble extractions (an AND and a conversion
+// each, where the file layout's kernel widens, masks, shifts and converts), made once for the RT rows, then 8 FMAs
+// against each row's xp and one FMA with the 2 scales, each over its block's 4 lanes. An odd G's last block goes
+// alone against x; the minima's term is 8 blocks per FMA.
+template <int64_t QT, int NT, int RT>
+inline void split_dot_256(const uint8_t* rows, int64_t wstride, int64_t G, const float* xp, int64_t ldxp,
+                          const float* x, int64_t ldx, const float* sx, float* out, int64_t ldo) {
+  const int64_t runs = G / 2;
+  const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // lane -> its block
+  __m256 acc[RT][NT];
+  for (int r = 0; r < RT; r++)
+    for (int j = 0; j < NT; j++) acc[r][j] = _mm256_setzero_ps();
+  const Prefetch ahead(rows + 2 * NT * wstride, NT * wstride, std::max<int64_t>(runs, 1));  // the tile after next
+  for (int64_t c = 0; c < runs; c++) {
+    ahead.part(c);
+    __m256i v[NT];
+    __m256 p[RT][NT];
+    for (int j = 0; j < NT; j++) v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + j * wstride + 32 * c));
+    auto step = [&](auto pc) {
+      constexpr int P = decltype(pc)::value;  // xp's vector: nibble P (P < 5) of v, else nibble P - 3 of v >> 12
+      if constexpr (P == 5)
+        for (int j = 0; j < NT; j++) v[j] = _mm256_srli_epi32(v[j], 12);
+      for (int j = 0; j < NT; j++) {
+        const __m256 nib = nibble8<(P < 5 ? P : P - 3)>(v[j]);
+        for (int r = 0; r < RT; r++) {
+          const __m256 xv = _mm256_load_ps(xp + r * ldxp + 64 * c + 8 * P);
+          p[r][j] = P == 0 ? _mm256_mul_ps(nib, xv) : _mm256_fmadd_ps(nib, xv, p[r][j]);
+        }
+      }
+    };
+    step(std::integral_constant<int, 0>{});
+    step(std::integral_constant<int, 1>{});
+    step(std::integral_constant<int, 2>{});
+    step(std::integral_constant<int, 3>{});
+    step(std::integral_constant<int, 4>{});
+    step(std::integral_constant<int, 5>{});
+    step(std::integral_constant<int, 6>{});
+    step(std::integral_constant<int, 7>{});
+    for (int j = 0; j < NT; j++) {
+      int32_t d2;  // the run's 2 float16 scales
+      std::memcpy(&d2, rows + j * wstride + 16 * G + 4 * c, 4);
+      const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(d2))), lanes);
+      for (int r = 0; r < RT; r++) acc[r][j] = _mm256_fmadd_ps(d, p[r][j], acc[r][j]);
+    }
+  }
+  for (int j = 0; j < NT; j++) {
+    const Blocks<QT> b{rows + j * wstride, G};
+    if (G % 2) {  // byte l of the block: code l (low nibble), code l + 16 (high)
+      const uint8_t* qs = b.codes(G - 1);
+      const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+      const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+      const __m256 w[4] = {nibble8<0>(q0), nibble8<0>(q1), _mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)),
+                           _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4))};
+      const __m256 d = _mm256_set1_ps(half_to_float(b.scale(G - 1)));
+      for (int r = 0; r < RT; r++) {
+        const float* xg = x + r * ldx + (G - 1) * GROUP;
+        const __m256 xv[4] = {_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8), _mm256_loadu_ps(xg + 16),
+                              _mm256_loadu_ps(xg + 24)};
+        acc[r][j] = _mm256_fmadd_ps(d, block_dot(w, xv), acc[r][j]);
+      }
+    }
+    const uint8_t* mins = FT<QT> == Q4_1 ? b.minimum(0) : b.scale(0);
+    __m256 macc[RT];
+    float mtail[RT];
+    for (int r = 0; r < RT; r++) { macc[r] = _mm256_setzero_ps(); mtail[r] = 0.0f; }
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + 2 * g)));
+      for (int r = 0; r < RT; r++) macc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sx + r * G + g), macc[r]);
+    }
+    for (; g < G; g++)
+      for (int r = 0; r < RT; r++) mtail[r] += half_to_float(mins + 2 * g) * sx[r * G + g];
+    const float unit = FT<QT> == Q4_0 ? -8.0f : 1.0f;  // Q4_0's minimum is -8 d
+    for (int r = 0; r < RT; r++)
+      out[r * ldo + j] = hsum(_mm256_fmadd_ps(macc[r], _mm256_set1_ps(unit), acc[r][j])) + unit * mtail[r];
+  }
+}
+#endif
+
 template <int64_t QT, int RT>
 void block_rows_rt(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, const float* x,
                    float* out, int64_t N) {
@@ -303,8 +421,29 @@ void block_rows_rt(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t en
 // rows are one tile (each block unpacked once for all of them); more go in tiles of 8.
 template <int64_t QT>
 void block_rows(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, const float* x,
-                int64_t M, const float* sx, float* out, int64_t N) {
+                int64_t M, const float* sx, const float* xp, float* out, int64_t N) {
   const int64_t K = G * GROUP;
+#ifndef MS_AVX512
+  if constexpr (Blocks<QT>::SPLIT) {
+    if (M <= SPLIT_MAX_ROWS) {  // split rows: split_dot_256 in tiles of 4 weight rows (1 row of x), 2 (2), else 1
+      const int64_t ldxp = split_stride(G);
+      auto pass = [&](auto nt, auto rt) {
+        constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
+        int64_t n = begin;
+        for (; n + NT <= end; n += NT) split_dot_256<QT, NT, RT>(wd + n * wstride, wstride, G, xp, ldxp, x, K, sx, out + n, N);
+        for (; n < end; n++) split_dot_256<QT, 1, RT>(wd + n * wstride, wstride, G, xp, ldxp, x, K, sx, out + n, N);
+      };
+      if (M == 1) pass(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
+      else if (M == 2) pass(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
+      else if (M == 3) pass(std::integral_constant<int, 1>{}, std::integral_constant<int, 3>{});
+      else if (M == 4) pass(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});
+      else pass(std::integral_constant<int, 1>{}, std::integral_constant<int, 5>{});
+      return;
+    }
+  }
+#else
+  (void)xp;
+#endif
   switch (M) {
     case 1: {
       int64_t n = begin;
@@ -417,26 +556,6 @@ inline void rows_dot_512(const uint8_t* rows, int64_t wstride, int64_t G, const 
 template <int P>
 inline __m512 nibble(__m512i v) {
   return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15 << (4 * P))));
-}
-
-// Rows of x up to which split rows take tile_dot_split, not the tiles: with 3 rows it measured no faster than
-// the tiles in a 3-token forward (docs/experiments.md).
-constexpr int64_t SPLIT_MAX_ROWS = 2;
-// Floats between consecutive rows of x in split_order: whole runs, so each row stays 64-byte aligned.
-inline int64_t split_stride(int64_t G) { return G / 4 * 128; }
-
-// x in the order tile_dot_split reads codes: for each run c of 4 blocks (128 values), xp[128 c + 16 p + l] is
-// the value whose code is nibble p of 32-bit lane l of the run's 64 code bytes: code 4 (l % 4) + p / 2 +
-// 16 (p % 2) of block l / 4 (nibbles 5-7 are read as nibbles 2-4 of the lanes shifted by 12 bits), times the
-// 2^(-4P) that undoes nibble's scale. A power of two: every product q x rounds as before, unless x * 2^(-4P) is
-// subnormal (|x| < 2^-110).
-void split_order(const float* x, int64_t G, float* xp) {
-  for (int64_t c = 0; c < G / 4; c++)
-    for (int p = 0; p < 8; p++) {
-      const float unit = std::ldexp(1.0f, -4 * (p < 5 ? p : p - 3));
-      for (int l = 0; l < 16; l++)
-        xp[128 * c + 16 * p + l] = x[128 * c + 32 * (l / 4) + 4 * (l % 4) + p / 2 + 16 * (p % 2)] * unit;
-    }
 }
 
 // RT rows of x (1 or 2; each in split_order, xp + r * ldxp; x and sx of stride ldx and G) against NT split rows
@@ -1046,7 +1165,7 @@ const bool PACKED_SPLIT = true;
 #elif defined(MS_AVX2)
 const char* const PACKED_ISA = "avx2";
 const int64_t PACKED_MAX_ROWS = 48;
-const bool PACKED_SPLIT = false;
+const bool PACKED_SPLIT = true;
 #else
 const char* const PACKED_ISA = "portable";
 const int64_t PACKED_MAX_ROWS = 48;
@@ -1099,9 +1218,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
       return out;
   }
 #endif
-  // Up to SPLIT_MAX_ROWS rows of x against split rows: tile_dot_split, which also takes Q4_0's
-  // -8 d through sx.
-#if defined(MS_AVX512)
+  // Up to SPLIT_MAX_ROWS rows of x against split rows: tile_dot_split (AVX-512) or split_dot_256 (AVX2), which also
+  // take Q4_0's -8 d through sx.
+#if defined(MS_AVX2)
   const bool split_row = (qtype == Q4_0_SPLIT || qtype == Q4_1_SPLIT) && M <= SPLIT_MAX_ROWS;
   const int64_t ldxp = split_stride(G);
 #else
@@ -1118,7 +1237,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
   // that row in split_order, 64-byte aligned (its 512-bit loads then never cross a cache line)
   std::vector<float> xs_buf(split_row ? M * ldxp + 16 : 0);
   float* xs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xs_buf.data()) + 63) & ~uintptr_t(63));
-#if defined(MS_AVX512)
+#if defined(MS_AVX2)
   if (split_row)
     for (int64_t r = 0; r < M; r++) split_order(xd + r * Kp, G, xs + r * ldxp);
 #endif
@@ -1131,7 +1250,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
     if (with_block_type(qtype, [&](auto qt) { block_rows_512<qt()>(wd, wstride, begin, end, G, xd, M, sxd, xs, od, N); }))
       return;
 #elif defined(MS_AVX2)
-    if (with_block_type(qtype, [&](auto qt) { block_rows<qt()>(wd, wstride, begin, end, G, xd, M, sxd, od, N); }))
+    if (with_block_type(qtype, [&](auto qt) { block_rows<qt()>(wd, wstride, begin, end, G, xd, M, sxd, xs, od, N); }))
       return;
 #endif
     for_unpacked_rows(qtype, wd, wstride, begin, end, K, [&](int64_t n, const float* wf, const float* d, const float* m) {

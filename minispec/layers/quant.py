@@ -199,7 +199,7 @@ def relayout(data: torch.Tensor, qtype: int, to: int) -> torch.Tensor:
 def kernel_qtype(qtype: int, device, rows: int) -> int:
     """The layout the CPU kernels read qtype's rows in fastest: a Q4_0 / Q4_1 weight of `rows` rows on CPU tiled
     where the AMX kernel runs it and rows is a multiple of 16 (an embedding too: its lookups read the tiles), else
-    split where the AVX-512 kernels run it; anything else as it is. MINISPEC_FILE_LAYOUT=1 keeps the file's,
+    split where the AVX-512 or AVX2 kernels run it; anything else as it is. MINISPEC_FILE_LAYOUT=1 keeps the file's,
     MINISPEC_NO_TILES=1 the split one (to measure one against another)."""
     if qtype not in SPLIT_OF or torch.device(device).type != "cpu" or os.environ.get("MINISPEC_FILE_LAYOUT") or \
             (ext := _cpu_ops()) is None:
