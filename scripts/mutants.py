@@ -173,18 +173,35 @@ MUTANTS = [
     Mutant("auto: the head taken whatever its predicted speedup", "minispec/llm.py",
            "        pays = pred >= AUTO_MIN_SPEEDUP", "        pays = True",
            ("tests/test_head.py", "-k", "auto_takes_the_head")),
-    # ---- the split rows' kernel (kernels/packed_cpu.cpp; each mutant rebuilds the C++ extension)
+    Mutant("head_sampled: every step drawn with the first step's uniform", "minispec/kernels/cpu_ops.cpp",
+           "const torch::Tensor ur = u.select(1, j)", "const torch::Tensor ur = u.select(1, 0)",
+           ("tests/test_head.py", "-k", "sampled_steps")),
+    Mutant("head_sampled: the coupled rows raced with the first step's noise at every step",
+           "minispec/kernels/cpu_ops.cpp", "noise.select(0, j).contiguous()", "noise.select(0, 0).contiguous()",
+           ("tests/test_head.py", "-k", "sampled_steps")),
+    # ---- the split rows' kernels (kernels/packed_cpu.cpp; each mutant rebuilds the C++ extension): the build's own,
+    # AVX-512's tile_dot_split where the CPU has AVX-512, else AVX2's split_dot_256
     *(Mutant(name, "minispec/kernels/packed_cpu.cpp", old, new,
              ("tests/test_quant.py", "-k", "split_kernel_every_run_and_tail"))
       for name, old, new in [
-          ("split kernel: the second row of x read from the first row's reordered x",
-           "        const __m512 xv = _mm512_load_ps(xp + r * ldxp + 128 * c + 16 * P);",
-           "        const __m512 xv = _mm512_load_ps(xp + 128 * c + 16 * P);"),
           ("split kernel: x reordered with the low and high nibbles swapped",
            "4 * (l % 4) + p / 2 + 16 * (p % 2)]", "4 * (l % 4) + p / 2 + 16 * (1 - p % 2)]"),
-          ("split kernel: the blocks past the last run of 4 left out",
-           "    for (int64_t g = 4 * runs; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)",
-           "    for (int64_t g = G; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)"),
+          *([("split kernel: the second row of x read from the first row's reordered x",
+              "        const __m512 xv = _mm512_load_ps(xp + r * ldxp + 128 * c + 16 * P);",
+              "        const __m512 xv = _mm512_load_ps(xp + 128 * c + 16 * P);"),
+             ("split kernel: the blocks past the last run of 4 left out",
+              "    for (int64_t g = 4 * runs; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)",
+              "    for (int64_t g = G; g < G; g++) {  // lane l: code l (low nibble), code l + 16 (high)")]
+            if "avx512f" in open("/proc/cpuinfo").read() else
+            [("AVX2 split kernel: the second row of x read from the first row's reordered x",
+              "          const __m256 xv = _mm256_load_ps(xp + r * ldxp + 64 * c + 8 * P);",
+              "          const __m256 xv = _mm256_load_ps(xp + 64 * c + 8 * P);"),
+             ("AVX2 split kernel: an odd G's last block left out",
+              "    if (G % 2) {  // byte l of the block: code l (low nibble), code l + 16 (high)",
+              "    if (false) {  // byte l of the block: code l (low nibble), code l + 16 (high)"),
+             ("AVX2 split kernel: the minima past the last 8 blocks left out",
+              "      for (int r = 0; r < RT; r++) mtail[r] += half_to_float(mins + 2 * g) * sx[r * G + g];",
+              "      for (int r = 0; r < RT; r++) mtail[r] += 0.0f;")])
       ]),
     # ---- the AMX tiles (packed_cpu.cpp: the tiled layout, others at 9+ rows of x): only where the CPU has them,
     # else their tests skip (the tiled layout's tile_rows mutant runs everywhere)

@@ -4,6 +4,7 @@
 // the results are the same floats; only the Python between the ops is gone.
 #include "cpu_ops.h"
 
+#include <limits>
 #include <vector>
 
 namespace {
@@ -158,6 +159,94 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor ids, torch::Tensor feature,
   return {torch::stack(logits), torch::stack(rows), torch::stack(drafting)};
 }
 
+// Sampled drafting with an EAGLE-3 head, every step in one call: head_greedy's steps, each drawing its tokens as
+// HeadProposer's loop does (proposer.draw_drafts over the draft logits put in the full vocabulary, -inf elsewhere;
+// the plain-temperature case only): q = temperature_softmax(full, temperature); request b draws by inverse CDF with
+// u[b, j] (torch's float32 cumsum and searchsorted, as sampler.sample_inverse_cdf), or, where it is one of the coupled
+// rows, by exponential race with noise[j, i] (exp_race, as sampler.sample). The gate is head_greedy's, the drawn
+// token's own probability from the draft vocabulary's softmax (row draft_rows[token]). Step j >= 1 feeds each request
+// its drawn token. Returns (logits [S, B, V_draft], tokens [S, B] target ids, drafting [S, B] bool) for the S <= steps
+// steps run, or nothing where a row of q is not a plain softmax (temperature_softmax's ok false: the loop takes it).
+std::vector<torch::Tensor> head_sampled(torch::Tensor ids, torch::Tensor feature, torch::Tensor embed,
+                                        int64_t embed_qtype, const std::vector<torch::Tensor>& weights,
+                                        const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases,
+                                        const std::vector<torch::Tensor>& norms, torch::Tensor k_cache,
+                                        torch::Tensor v_cache, torch::Tensor cos_sin, torch::Tensor write_index,
+                                        torch::Tensor positions, torch::Tensor read_slots, torch::Tensor last,
+                                        int64_t n_heads, int64_t n_kv_heads, double scale, double eps, int64_t steps,
+                                        torch::Tensor draft_ids, torch::Tensor draft_rows, int64_t vocab,
+                                        double min_confidence, torch::Tensor step_cos_sin, torch::Tensor step_positions,
+                                        torch::Tensor step_write_index, torch::Tensor temperature, torch::Tensor u,
+                                        torch::Tensor coupled_rows, torch::Tensor noise, double noise_min,
+                                        double noise_max) {
+  const int64_t B = last.numel();
+  TORCH_CHECK(steps >= 1 && draft_ids.scalar_type() == torch::kInt64 && draft_ids.dim() == 1 &&
+                  draft_rows.scalar_type() == torch::kInt64 && draft_rows.numel() == vocab,
+              "head_sampled: steps >= 1, draft_ids [V_draft] and draft_rows [vocab] int64");
+  TORCH_CHECK(step_positions.dim() == 2 && step_positions.size(0) == B && step_positions.size(1) == steps - 1,
+              "head_sampled: step_positions, step_write_index and step_cos_sin must be [B, steps - 1, ...]");
+  TORCH_CHECK(temperature.numel() == B && u.dim() == 2 && u.size(0) == B && u.size(1) >= steps,
+              "head_sampled: temperature [B] and u [B, >= steps]");
+  TORCH_CHECK(coupled_rows.scalar_type() == torch::kInt64 && coupled_rows.dim() == 1 && noise.dim() == 3 &&
+                  noise.size(1) == coupled_rows.numel() && (coupled_rows.numel() == 0 || noise.size(0) >= steps),
+              "head_sampled: coupled_rows [m] int64 and noise [>= steps, m, vocab]");
+  const int64_t m = coupled_rows.numel();
+  const torch::Tensor all_rows = torch::arange(B, last.options());
+  torch::Tensor rest = torch::ones({B}, last.options().dtype(torch::kBool));  // the rows drawn by inverse CDF
+  if (m) rest.index_fill_(0, coupled_rows, false);
+  const torch::Tensor rest_rows = rest.nonzero().squeeze(1);  // [B - m]
+  const bool identity = draft_ids.numel() == vocab &&
+                        draft_ids.equal(torch::arange(vocab, draft_ids.options()));
+  std::vector<torch::Tensor> logits, tokens, drafting;
+  std::vector<double> confidence(B, 1.0);
+  auto keep = torch::ones({B}, last.options().dtype(torch::kBool));
+  bool* kp = keep.data_ptr<bool>();
+  std::vector<torch::Tensor> r = head_layer(ids, feature, true, embed, embed_qtype, weights, qtypes, biases, norms,
+                                            k_cache, v_cache, cos_sin, write_index, positions, read_slots, last,
+                                            n_heads, n_kv_heads, scale, eps);
+  for (int64_t j = 0;; j++) {
+    const torch::Tensor lj = r[0];  // [B, V_draft]
+    torch::Tensor full = lj;  // [B, vocab], -inf outside the draft vocabulary (HeadRunner.full_vocab)
+    if (!identity) {
+      full = torch::full({B, vocab}, -std::numeric_limits<float>::infinity(), lj.options());
+      full.index_copy_(1, draft_ids, lj);
+    }
+    const std::vector<torch::Tensor> soft = temperature_softmax(full, temperature);
+    if (!soft[1].all().item<bool>()) return {};
+    const torch::Tensor& q = soft[0];  // [B, vocab]
+    torch::Tensor tok = torch::empty({B}, last.options());
+    if (rest_rows.numel()) {
+      const torch::Tensor qr = q.index_select(0, rest_rows);
+      const torch::Tensor cdf = qr.cumsum(1);
+      const torch::Tensor ur = u.select(1, j).index_select(0, rest_rows);
+      const torch::Tensor drawn = torch::searchsorted(cdf, (ur * cdf.select(1, vocab - 1)).unsqueeze(1), false, true)
+                                      .squeeze(1).clamp_max_(vocab - 1);
+      tok.index_copy_(0, rest_rows, drawn);
+    }
+    if (m) tok.index_copy_(0, coupled_rows, exp_race(q.index_select(0, coupled_rows).contiguous(),
+                                                     noise.select(0, j).contiguous(), noise_min, noise_max));
+    logits.push_back(lj);
+    tokens.push_back(tok);
+    if (min_confidence > 0) {
+      const torch::Tensor probs = torch::softmax(lj, 1);  // [B, V_draft]
+      const torch::Tensor top = probs.amax(1);  // [B] the law's largest probability, not the draw's
+      const torch::Tensor own = probs.index({all_rows, draft_rows.index_select(0, tok)}).contiguous();  // [B]
+      const float* tp = top.data_ptr<float>();
+      const float* op = own.data_ptr<float>();
+      for (int64_t b = 0; b < B; b++) {
+        kp[b] = kp[b] && confidence[b] * tp[b] >= min_confidence;
+        confidence[b] *= op[b];
+      }
+    }
+    drafting.push_back(keep.clone());
+    if (j + 1 == steps || !keep.any().item<bool>()) break;
+    r = head_layer(tok, r[1], false, embed, embed_qtype, weights, qtypes, biases, norms, k_cache, v_cache,
+                   step_cos_sin.select(1, j).contiguous(), step_write_index.select(1, j).contiguous(),
+                   step_positions.select(1, j).contiguous(), read_slots, all_rows, n_heads, n_kv_heads, scale, eps);
+  }
+  return {torch::stack(logits), torch::stack(tokens), torch::stack(drafting)};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PACKED_ISA") = PACKED_ISA;
   m.attr("PACKED_MAX_ROWS") = PACKED_MAX_ROWS;
@@ -180,4 +269,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers, "every decoder layer over a short forward, in one call");
   m.def("head_layer", &head_layer, "an EAGLE-3 head's forward over a short batch, in one call");
   m.def("head_greedy", &head_greedy, "an EAGLE-3 head's greedy drafting steps, in one call");
+  m.def("head_sampled", &head_sampled, "an EAGLE-3 head's sampled drafting steps, in one call");
 }

@@ -28,6 +28,13 @@ class BatchSampling:
         self.greedy = all(p.greedy for p in params)
 
 
+def plain_temperature(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> bool:
+    """Whether every request of a batch (settings [N]) samples at a temperature >= SHIFT_BELOW_T without top-k or
+    top-p: its law is softmax(logits / temperature) alone (the C++ kernel temperature_softmax's case)."""
+    plain = (temperature >= SHIFT_BELOW_T) & ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1)  # [N]
+    return bool(plain.all())
+
+
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Exact draw from each distribution probs[i] with one uniform u[i]: first token whose CDF exceeds u."""
     cdf = probs.cumsum(dim=-1)  # [N, V]
@@ -129,11 +136,8 @@ def _plain_softmax(logits, temperature, top_k, top_p) -> torch.Tensor | None:
     """probs_from_logits by one C++ pass (temperature_softmax, within a few float32 ulps of torch's softmax) where
     it applies: CPU float32 [N, V] logits, every finite and sampled at temperature >= SHIFT_BELOW_T without top-k
     or top-p; else None."""
-    if logits.dim() != 2 or not cpu.applies(logits):
-        return None
-    vocab = logits.shape[-1]
-    plain = (temperature >= SHIFT_BELOW_T) & ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1)  # [N]
-    if not bool(plain.all()):
+    if logits.dim() != 2 or not cpu.applies(logits) or \
+            not plain_temperature(temperature, top_k, top_p, logits.shape[-1]):
         return None
     probs, ok = cpu.ops().temperature_softmax(logits, temperature.float().contiguous())
     return probs if bool(ok.all()) else None

@@ -28,7 +28,7 @@ from minispec.runner.kv_cache import KVCache
 from minispec.runner.model_runner import ModelRunner
 from minispec.spec_decode.draft_logits import DraftLogitsCache
 from minispec.spec_decode.ngram import ngram_drafts
-from minispec.sample.sampler import BatchSampling, greedy_tokens
+from minispec.sample.sampler import NOISE_MAX, NOISE_MIN, BatchSampling, greedy_tokens, plain_temperature
 from minispec.spec_decode.proposer import Drafting, coupled_noise, draw_drafts, owned, proposal_uniforms
 
 
@@ -48,7 +48,8 @@ class HeadRunner:
         self.rotary = RotaryEmbedding(SimpleNamespace(rope_theta=cfg.rope_theta), cfg.head_dim, device=device)
         self.draft_ids = self.weights.draft_ids.to(device)  # [draft_vocab] target id of each row
         self.host_draft_ids = self.weights.draft_ids.cpu().numpy()  # [draft_vocab] the same, for host bookkeeping
-        self.host_draft_rows = draft_rows(self.weights.draft_ids, target_model.vocab_size).numpy()  # [vocab] -1: none
+        self.draft_rows = draft_rows(self.weights.draft_ids, target_model.vocab_size)  # [vocab] row of each id, -1: none
+        self.host_draft_rows = self.draft_rows.numpy()  # the same, for host bookkeeping
         self.identity_vocab = bool((self.draft_ids == torch.arange(target_model.vocab_size, device=device)).all()) \
             if cfg.draft_vocab_size == target_model.vocab_size else False
         self.forward_s = 0.0
@@ -108,14 +109,10 @@ class HeadRunner:
         self.forward_s += time.perf_counter() - t0
         return logits, out
 
-    @torch.inference_mode()
-    def greedy(self, slots: list[int], starts: list[int], tokens: list[list[int]], features: list[torch.Tensor],
-               num_steps: int, min_confidence: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """HeadProposer's greedy steps in one C++ call (head_greedy): step 0 as forward(..., fused=True), step j feeds
-        each request's step j - 1 argmax with the head's own output. Returns (logits [S, n, draft_vocab], argmax rows
-        [S, n], drafting [S, n]: the confidence gate) in request order for the S <= num_steps steps run (all stopped:
-        no more), or None where the C++ layer does not apply (forward's other path)."""
-        t0 = time.perf_counter()
+    def _steps_args(self, slots: list[int], starts: list[int], tokens: list[list[int]], features: list[torch.Tensor],
+                    num_steps: int) -> tuple | None:
+        """(slot order, head_layer's arguments, the later steps' (cos_sin, positions, write_index)) of a proposal's
+        steps in one C++ call, or None where the C++ layer does not apply (forward's other path)."""
         order, batch, meta, feats = self._batch(slots, starts, tokens, features)
         if not (meta.fused and (args := self.cpu_args())):
             return None
@@ -129,12 +126,53 @@ class HeadRunner:
             cos_sin = torch.view_as_real(self.rotary(positions, ctx))  # [B, num_steps - 1, 1, head_dim / 2, 2]
         else:
             cos_sin = torch.empty(B, 0, 1, cfg.head_dim // 2, 2, device=self.device)
-        logits, rows, drafting = cpu.ops().head_greedy(
-            *self._head_args(batch, meta, feats, args), num_steps, self.draft_ids, float(min_confidence),
-            cos_sin.contiguous(), positions.contiguous(), write_index.contiguous())
+        later = (cos_sin.contiguous(), positions.contiguous(), write_index.contiguous())
+        return order, self._head_args(batch, meta, feats, args), later
+
+    @torch.inference_mode()
+    def greedy(self, slots: list[int], starts: list[int], tokens: list[list[int]], features: list[torch.Tensor],
+               num_steps: int, min_confidence: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """HeadProposer's greedy steps in one C++ call (head_greedy): step 0 as forward(..., fused=True), step j feeds
+        each request's step j - 1 argmax with the head's own output. Returns (logits [S, n, draft_vocab], argmax rows
+        [S, n], drafting [S, n]: the confidence gate) in request order for the S <= num_steps steps run (all stopped:
+        no more), or None where the C++ layer does not apply (forward's other path)."""
+        t0 = time.perf_counter()
+        if (steps := self._steps_args(slots, starts, tokens, features, num_steps)) is None:
+            return None
+        order, head_args, later = steps
+        logits, rows, drafting = cpu.ops().head_greedy(*head_args, num_steps, self.draft_ids, float(min_confidence),
+                                                       *later)
         out = _request_order(order, 1, logits, rows, drafting)
         self.forward_s += time.perf_counter() - t0
         return out
+
+    @torch.inference_mode()
+    def sampled(self, slots: list[int], starts: list[int], tokens: list[list[int]], features: list[torch.Tensor],
+                num_steps: int, min_confidence: float, temperature: torch.Tensor, u: torch.Tensor, coupled: list
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """HeadProposer's sampled steps (sampler.plain_temperature's case) in one C++ call (head_sampled):
+        the loop's draws, each request's by inverse CDF with u [n, >= num_steps] or, for the coupled rows
+        (proposer.coupled_noise's per-step (indices, noise) or Nones), by exponential race. Returns (logits
+        [S, n, draft_vocab], target ids [S, n], drafting [S, n]) in request order for the S <= num_steps steps run,
+        or None where the C++ layer does not apply or a row's law is not a plain softmax (the loop's paths)."""
+        t0 = time.perf_counter()
+        if (steps := self._steps_args(slots, starts, tokens, features, num_steps)) is None:
+            return None
+        order, head_args, later = steps
+        perm = torch.tensor(order)  # [n] position b -> its request
+        at = torch.empty(len(order), dtype=torch.int64)
+        at[perm] = torch.arange(len(order))  # [n] request -> its position
+        vocab = len(self.host_draft_rows)
+        if coupled[0] is None:
+            rows, noise = torch.empty(0, dtype=torch.int64), torch.empty(0, 0, vocab)
+        else:
+            rows, noise = at[coupled[0][0]], torch.stack([c[1] for c in coupled])  # [m], [num_steps, m, vocab]
+        out = cpu.ops().head_sampled(
+            *head_args, num_steps, self.draft_ids, self.draft_rows, vocab, float(min_confidence), *later,
+            temperature[perm].float().contiguous(), u[perm].float().contiguous(), rows, noise.contiguous(),
+            NOISE_MIN, NOISE_MAX)
+        self.forward_s += time.perf_counter() - t0
+        return _request_order(order, 1, *out) if out else None
 
     def cpu_args(self) -> tuple | None:
         """head_layer's arguments after the features: the target's token embedding (its packed rows or dense
@@ -197,6 +235,7 @@ class HeadProposer:
         self.lookup = lookup
         self.min_confidence = min_confidence
         self.fused_greedy = True  # greedy batches draft every step in one C++ call where it applies (HeadRunner.greedy)
+        self.fused_sampled = True  # and plain-temperature sampled ones (HeadRunner.sampled)
         self.vocab_size = runner.target.vocab_size
         # slot -> (first position p0, buffer [capacity, C * H], n): the states of positions p0 .. p0 + n - 1 are
         # buffer[:n]; the buffer doubles when full, so a head kept off by adaptive k costs O(1) a step, not O(n)
@@ -291,6 +330,13 @@ class HeadProposer:
             write(0, logits.transpose(0, 1))
             drafted = self.runner.host_draft_ids[rows_run.numpy().T]  # [num_reqs, S] target ids
             drafts[:, : logits.shape[0]] = np.where(drafting.numpy().T, drafted, -1)
+            return drafts
+        if not greedy and self.fused_sampled and plain_temperature(sampling.temperature, sampling.top_k, sampling.top_p, self.vocab_size) and \
+                (steps := self.runner.sampled(slots, starts, tokens, feats, num_steps, self.min_confidence,
+                                              sampling.temperature, u, coupled)) is not None:
+            logits, drawn, drafting = steps  # [S, num_reqs, draft_vocab], [S, num_reqs], [S, num_reqs]
+            write(0, logits.transpose(0, 1))
+            drafts[:, : logits.shape[0]] = np.where(drafting.numpy().T, drawn.numpy().T, -1)
             return drafts
         fused = True
         for j in range(num_steps):
