@@ -176,76 +176,62 @@ def test_confidence_gate_cuts_where_the_heads_probability_falls(target, min_conf
     assert sum(o.metrics["num_draft_tokens"] for o in out) <= kept
 
 
-@pytest.mark.parametrize("min_confidence, quant", [(0.0, None), (0.05, None), (0.05, "int8")])
-def test_greedy_steps_in_one_call_equal_the_step_by_step_loop(target, min_confidence, quant):
-    """HeadRunner.greedy (every greedy draft step in one C++ call, the gate included) == the proposer's loop of
-    HeadRunner.forward calls: the same drafts and the same cached logits (bit for bit) in every proposal of an engine
-    run with chunked prefills and several requests, and greedy output equal to the target's alone."""
+def fused_against_loop(target, prompts, params, method: str, min_confidence: float, **llm_kw) -> list[list[int]]:
+    """One engine run with HeadRunner.`method` (a proposal's steps in one C++ call) and one with the proposer's loop,
+    over the same tiny head: both give the same drafts and cached logits (bit for bit) in every proposal, the one call
+    ran (None only where a forward outgrows fused_max_tokens: 48 under AVX2) and never where it was off, and the gate
+    (if any) cut some drafts. Returns the fused run's output tokens, which must equal the loop's."""
     head = make_tiny_head(target.config, version=3, draft_vocab_size=100, seed=2)
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [10, 11, 12], list(range(20, 40))]
-    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    ref = LLM(target, draft=None).generate(prompts, sp)
-    seen, calls = {}, []
-    for fused in (True, False):
-        llm = LLM(target, draft=head, num_speculative_tokens=3, max_num_seqs=4, max_num_batched_tokens=16,
-                  draft_quantization=quant)
-        eng = llm.engine
-        rec = Recorder(eng.proposer.runner, eng.target, 3, min_confidence=min_confidence)
-        rec.fused_greedy = fused
-
-        def counted(*a, greedy=rec.runner.greedy, fused=fused):
-            out = greedy(*a)
-            calls.append((fused, out is not None))
-            return out
-
-        rec.runner.greedy = counted
-        eng.proposer = rec
-        assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in ref]
-        seen[fused] = rec.seen
-    # never called where it was off; it ran (None only where a forward outgrows fused_max_tokens: 48 under AVX2)
-    assert all(f for f, _ in calls) and sum(ran for _, ran in calls) >= 10
-    assert len(seen[True]) == len(seen[False]) >= 10
-    for (c1, d1, l1), (c2, d2, l2) in zip(seen[True], seen[False]):
-        assert c1 == c2 and d1 == d2 and torch.equal(l1, l2)
-    if min_confidence:
-        assert any(d < 0 for _, drafts, _ in seen[True] for d in drafts)  # the gate cut some drafts
-
-
-@pytest.mark.parametrize("min_confidence", [0.0, 0.05])
-def test_sampled_steps_in_one_call_equal_the_step_by_step_loop(target, min_confidence):
-    """HeadRunner.sampled (every sampled draft step in one C++ call: the draws and the gate) == the proposer's loop: the
-    same drafts and the same cached logits (bit for bit) in every proposal, and the same output, for a batch mixing
-    requests drawn by inverse CDF (unseeded, the LLM's seed) and coupled ones (seeded), at T = 0.8 and 1."""
-    head = make_tiny_head(target.config, version=3, draft_vocab_size=100, seed=2)
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [10, 11, 12], list(range(20, 40)), [3, 4]]
-    params = [SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=7),
-              SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=8),
-              SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)]
     seen, outs, calls = {}, {}, []
     for fused in (True, False):
-        llm = LLM(target, draft=head, num_speculative_tokens=3, max_num_seqs=4, seed=0)
+        llm = LLM(target, draft=head, num_speculative_tokens=3, max_num_seqs=4, seed=0, **llm_kw)
         eng = llm.engine
         rec = Recorder(eng.proposer.runner, eng.target, 3, min_confidence=min_confidence)
-        rec.fused_sampled = fused
+        setattr(rec, f"fused_{method}", fused)
 
-        def counted(*a, sampled=rec.runner.sampled, fused=fused):
-            out = sampled(*a)
+        def counted(*a, run=getattr(rec.runner, method), fused=fused):
+            out = run(*a)
             calls.append((fused, out is not None))
             return out
 
-        rec.runner.sampled = counted
+        setattr(rec.runner, method, counted)
         eng.proposer = rec
         outs[fused] = [o.token_ids for o in llm.generate(prompts, params)]
         seen[fused] = rec.seen
-    # never called where it was off; it ran (None only where a forward outgrows fused_max_tokens: 48 under AVX2)
     assert all(f for f, _ in calls) and sum(ran for _, ran in calls) >= 10
     assert outs[True] == outs[False]
     assert len(seen[True]) == len(seen[False]) >= 10
     for (c1, d1, l1), (c2, d2, l2) in zip(seen[True], seen[False]):
         assert c1 == c2 and d1 == d2 and torch.equal(l1, l2)
     if min_confidence:
-        assert any(d < 0 for _, drafts, _ in seen[True] for d in drafts)  # the gate cut some drafts
+        assert any(d < 0 for _, drafts, _ in seen[True] for d in drafts)
+    return outs[True]
+
+
+@pytest.mark.parametrize("min_confidence, quant", [(0.0, None), (0.05, None), (0.05, "int8")])
+def test_greedy_steps_in_one_call_equal_the_step_by_step_loop(target, min_confidence, quant):
+    """HeadRunner.greedy (every greedy draft step in one C++ call, the gate included) == the proposer's loop of
+    HeadRunner.forward calls (fused_against_loop), in an engine run with chunked prefills and several requests, and
+    greedy output equal to the target's alone."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [10, 11, 12], list(range(20, 40))]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = LLM(target, draft=None).generate(prompts, sp)
+    out = fused_against_loop(target, prompts, sp, "greedy", min_confidence, max_num_batched_tokens=16,
+                             draft_quantization=quant)
+    assert out == [o.token_ids for o in ref]
+
+
+@pytest.mark.parametrize("min_confidence", [0.0, 0.05])
+def test_sampled_steps_in_one_call_equal_the_step_by_step_loop(target, min_confidence):
+    """HeadRunner.sampled (every sampled draft step in one C++ call: the draws and the gate) == the proposer's loop
+    (fused_against_loop), for a batch mixing requests drawn by inverse CDF (unseeded: the LLM's seed) and coupled ones
+    (seeded), at T = 0.8 and 1."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [10, 11, 12], list(range(20, 40)), [3, 4]]
+    params = [SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=7),
+              SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=8),
+              SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)]
+    fused_against_loop(target, prompts, params, "sampled", min_confidence)
 
 
 def test_draft_min_confidence_reaches_the_head_and_its_policy(target):

@@ -104,13 +104,70 @@ std::vector<torch::Tensor> head_layer(torch::Tensor ids, torch::Tensor feature, 
   return {layer_linear(normed, weights, qtypes, biases, 5), residual};
 }
 
-// Greedy drafting with an EAGLE-3 head, every step in one call: step 0 is head_layer over the batch given (fuse on);
-// step j >= 1 feeds request b, at one position each, its step j - 1 argmax (a draft-vocabulary row, as the target id
-// draft_ids[row]) with the head's own output, at step_positions / step_write_index / step_cos_sin [B, steps - 1, ...]
-// (the caller's: rope_cache_attend's arguments per step). Request b stops drafting at step j unless the product of
-// the head's largest probability at steps 0 .. j (each from torch's float32 softmax, multiplied in float64, as
-// HeadProposer's loop does) is at least min_confidence; the steps end once every request has stopped. Returns
-// (logits [S, B, V_draft], argmax rows [S, B] int64, drafting [S, B] bool) for the S <= steps steps run.
+// An EAGLE-3 head's drafting steps in one call, what head_greedy and head_sampled share: step 0 is head_layer over the
+// batch given (fuse on); step j >= 1 feeds request b, at one position each, the target id its step j - 1 drew, with
+// the head's own output, at step_positions / step_write_index / step_cos_sin [B, steps - 1, ...] (the caller's:
+// rope_cache_attend's arguments per step). draw(j, logits [B, V_draft]) gives (what step j reports per request [B],
+// the target ids drawn [B], each draw's probability under the draft vocabulary's softmax [B], or an undefined tensor
+// for the largest one, a greedy draw's own), or an empty vector to give up (then so does this: the caller's loop runs).
+// Request b stops drafting at step j unless (the product of its draws' probabilities before step j, in float64, as
+// HeadProposer's loop multiplies them) times the head's largest probability at step j (torch's float32 softmax) is at
+// least min_confidence; the steps end once every request has stopped. Returns (logits [S, B, V_draft], reports
+// [S, B], drafting [S, B] bool) for the S <= steps steps run.
+template <class Draw>
+std::vector<torch::Tensor> head_steps(torch::Tensor ids, torch::Tensor feature, torch::Tensor embed,
+                                      int64_t embed_qtype, const std::vector<torch::Tensor>& weights,
+                                      const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases,
+                                      const std::vector<torch::Tensor>& norms, torch::Tensor k_cache,
+                                      torch::Tensor v_cache, torch::Tensor cos_sin, torch::Tensor write_index,
+                                      torch::Tensor positions, torch::Tensor read_slots, torch::Tensor last,
+                                      int64_t n_heads, int64_t n_kv_heads, double scale, double eps, int64_t steps,
+                                      double min_confidence, torch::Tensor step_cos_sin, torch::Tensor step_positions,
+                                      torch::Tensor step_write_index, Draw&& draw) {
+  const int64_t B = last.numel();
+  TORCH_CHECK(steps >= 1, "head drafting: steps >= 1");
+  TORCH_CHECK(step_positions.scalar_type() == torch::kInt64 && step_write_index.scalar_type() == torch::kInt64 &&
+                  step_positions.dim() == 2 && step_positions.size(0) == B && step_positions.size(1) == steps - 1 &&
+                  step_write_index.sizes() == step_positions.sizes() && step_cos_sin.size(0) == B &&
+                  step_cos_sin.size(1) == steps - 1,
+              "head drafting: step_positions, step_write_index and step_cos_sin must be [B, steps - 1, ...]");
+  const torch::Tensor all_rows = torch::arange(B, last.options());
+  std::vector<torch::Tensor> logits, reports, drafting;
+  std::vector<double> confidence(B, 1.0);
+  auto keep = torch::ones({B}, last.options().dtype(torch::kBool));
+  bool* kp = keep.data_ptr<bool>();
+  std::vector<torch::Tensor> r = head_layer(ids, feature, true, embed, embed_qtype, weights, qtypes, biases, norms,
+                                            k_cache, v_cache, cos_sin, write_index, positions, read_slots, last,
+                                            n_heads, n_kv_heads, scale, eps);
+  for (int64_t j = 0;; j++) {
+    const torch::Tensor lj = r[0];  // [B, V_draft]
+    const std::vector<torch::Tensor> drawn = draw(j, lj);  // report, target ids, own probabilities
+    if (drawn.empty()) return {};
+    logits.push_back(lj);
+    reports.push_back(drawn[0]);
+    if (min_confidence > 0) {
+      const torch::Tensor probs = torch::softmax(lj, 1);  // [B, V_draft]
+      const torch::Tensor top = probs.amax(1);  // [B] the law's largest probability, not the draw's
+      const torch::Tensor own = drawn[2].defined() ? drawn[2].contiguous() : top;  // [B]
+      const float* tp = top.data_ptr<float>();
+      const float* op = own.data_ptr<float>();
+      for (int64_t b = 0; b < B; b++) {
+        kp[b] = kp[b] && confidence[b] * tp[b] >= min_confidence;
+        confidence[b] *= op[b];
+      }
+    }
+    drafting.push_back(keep.clone());
+    if (j + 1 == steps || !keep.any().item<bool>()) break;
+    r = head_layer(drawn[1], r[1], false, embed, embed_qtype, weights, qtypes, biases, norms, k_cache, v_cache,
+                   step_cos_sin.select(1, j).contiguous(), step_write_index.select(1, j).contiguous(),
+                   step_positions.select(1, j).contiguous(), read_slots, all_rows, n_heads, n_kv_heads, scale, eps);
+  }
+  return {torch::stack(logits), torch::stack(reports), torch::stack(drafting)};
+}
+
+// Greedy drafting with an EAGLE-3 head, every step in one call (head_steps): step j's draw is each request's argmax
+// row (reported), fed as the target id draft_ids[row]. Returns (logits [S, B, V_draft], argmax rows [S, B] int64,
+// drafting [S, B] bool).
 std::vector<torch::Tensor> head_greedy(torch::Tensor ids, torch::Tensor feature, torch::Tensor embed,
                                        int64_t embed_qtype, const std::vector<torch::Tensor>& weights,
                                        const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases,
@@ -120,53 +177,23 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor ids, torch::Tensor feature,
                                        int64_t n_heads, int64_t n_kv_heads, double scale, double eps, int64_t steps,
                                        torch::Tensor draft_ids, double min_confidence, torch::Tensor step_cos_sin,
                                        torch::Tensor step_positions, torch::Tensor step_write_index) {
-  const int64_t B = last.numel();
-  TORCH_CHECK(steps >= 1 && draft_ids.scalar_type() == torch::kInt64 && draft_ids.dim() == 1,
-              "head_greedy: steps >= 1 and draft_ids [V_draft] int64");
-  TORCH_CHECK(step_positions.scalar_type() == torch::kInt64 && step_write_index.scalar_type() == torch::kInt64 &&
-                  step_positions.dim() == 2 && step_positions.size(0) == B && step_positions.size(1) == steps - 1 &&
-                  step_write_index.sizes() == step_positions.sizes() && step_cos_sin.size(0) == B &&
-                  step_cos_sin.size(1) == steps - 1,
-              "head_greedy: step_positions, step_write_index and step_cos_sin must be [B, steps - 1, ...]");
-  const torch::Tensor all_rows = torch::arange(B, last.options());
-  std::vector<torch::Tensor> logits, rows, drafting;
-  std::vector<double> confidence(B, 1.0);
-  auto keep = torch::ones({B}, last.options().dtype(torch::kBool));
-  bool* kp = keep.data_ptr<bool>();
-  std::vector<torch::Tensor> r = head_layer(ids, feature, true, embed, embed_qtype, weights, qtypes, biases, norms,
-                                            k_cache, v_cache, cos_sin, write_index, positions, read_slots, last,
-                                            n_heads, n_kv_heads, scale, eps);
-  for (int64_t j = 0;; j++) {
-    const torch::Tensor lj = r[0];  // [B, V_draft]
+  TORCH_CHECK(draft_ids.scalar_type() == torch::kInt64 && draft_ids.dim() == 1, "head_greedy: draft_ids [V_draft] int64");
+  auto draw = [&](int64_t, const torch::Tensor& lj) -> std::vector<torch::Tensor> {
     const torch::Tensor row = greedy_argmax(lj)[0];  // [B]
-    logits.push_back(lj);
-    rows.push_back(row);
-    if (min_confidence > 0) {
-      const torch::Tensor top = torch::softmax(lj, 1).amax(1);  // [B] the law's largest probability
-      const float* tp = top.data_ptr<float>();
-      for (int64_t b = 0; b < B; b++) {
-        confidence[b] *= tp[b];
-        kp[b] = kp[b] && confidence[b] >= min_confidence;
-      }
-    }
-    drafting.push_back(keep.clone());
-    if (j + 1 == steps || !keep.any().item<bool>()) break;
-    const torch::Tensor next_ids = draft_ids.index_select(0, row);
-    r = head_layer(next_ids, r[1], false, embed, embed_qtype, weights, qtypes, biases, norms, k_cache, v_cache,
-                   step_cos_sin.select(1, j).contiguous(), step_write_index.select(1, j).contiguous(),
-                   step_positions.select(1, j).contiguous(), read_slots, all_rows, n_heads, n_kv_heads, scale, eps);
-  }
-  return {torch::stack(logits), torch::stack(rows), torch::stack(drafting)};
+    return {row, draft_ids.index_select(0, row), torch::Tensor()};
+  };
+  return head_steps(ids, feature, embed, embed_qtype, weights, qtypes, biases, norms, k_cache, v_cache, cos_sin,
+                    write_index, positions, read_slots, last, n_heads, n_kv_heads, scale, eps, steps, min_confidence,
+                    step_cos_sin, step_positions, step_write_index, draw);
 }
 
-// Sampled drafting with an EAGLE-3 head, every step in one call: head_greedy's steps, each drawing its tokens as
+// Sampled drafting with an EAGLE-3 head, every step in one call (head_steps), each step drawing its tokens as
 // HeadProposer's loop does (proposer.draw_drafts over the draft logits put in the full vocabulary, -inf elsewhere;
 // the plain-temperature case only): q = temperature_softmax(full, temperature); request b draws by inverse CDF with
 // u[b, j] (torch's float32 cumsum and searchsorted, as sampler.sample_inverse_cdf), or, where it is one of the coupled
-// rows, by exponential race with noise[j, i] (exp_race, as sampler.sample). The gate is head_greedy's, the drawn
-// token's own probability from the draft vocabulary's softmax (row draft_rows[token]). Step j >= 1 feeds each request
-// its drawn token. Returns (logits [S, B, V_draft], tokens [S, B] target ids, drafting [S, B] bool) for the S <= steps
-// steps run, or nothing where a row of q is not a plain softmax (temperature_softmax's ok false: the loop takes it).
+// rows, by exponential race with noise[j, i] (exp_race, as sampler.sample); the gate reads the drawn token's own
+// probability (row draft_rows[token]). Returns (logits [S, B, V_draft], tokens [S, B] target ids, drafting [S, B]
+// bool), or nothing where a row of q is not a plain softmax (temperature_softmax's ok false: the loop takes it).
 std::vector<torch::Tensor> head_sampled(torch::Tensor ids, torch::Tensor feature, torch::Tensor embed,
                                         int64_t embed_qtype, const std::vector<torch::Tensor>& weights,
                                         const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases,
@@ -180,11 +207,9 @@ std::vector<torch::Tensor> head_sampled(torch::Tensor ids, torch::Tensor feature
                                         torch::Tensor coupled_rows, torch::Tensor noise, double noise_min,
                                         double noise_max) {
   const int64_t B = last.numel();
-  TORCH_CHECK(steps >= 1 && draft_ids.scalar_type() == torch::kInt64 && draft_ids.dim() == 1 &&
+  TORCH_CHECK(draft_ids.scalar_type() == torch::kInt64 && draft_ids.dim() == 1 &&
                   draft_rows.scalar_type() == torch::kInt64 && draft_rows.numel() == vocab,
-              "head_sampled: steps >= 1, draft_ids [V_draft] and draft_rows [vocab] int64");
-  TORCH_CHECK(step_positions.dim() == 2 && step_positions.size(0) == B && step_positions.size(1) == steps - 1,
-              "head_sampled: step_positions, step_write_index and step_cos_sin must be [B, steps - 1, ...]");
+              "head_sampled: draft_ids [V_draft] and draft_rows [vocab] int64");
   TORCH_CHECK(temperature.numel() == B && u.dim() == 2 && u.size(0) == B && u.size(1) >= steps,
               "head_sampled: temperature [B] and u [B, >= steps]");
   TORCH_CHECK(coupled_rows.scalar_type() == torch::kInt64 && coupled_rows.dim() == 1 && noise.dim() == 3 &&
@@ -195,17 +220,8 @@ std::vector<torch::Tensor> head_sampled(torch::Tensor ids, torch::Tensor feature
   torch::Tensor rest = torch::ones({B}, last.options().dtype(torch::kBool));  // the rows drawn by inverse CDF
   if (m) rest.index_fill_(0, coupled_rows, false);
   const torch::Tensor rest_rows = rest.nonzero().squeeze(1);  // [B - m]
-  const bool identity = draft_ids.numel() == vocab &&
-                        draft_ids.equal(torch::arange(vocab, draft_ids.options()));
-  std::vector<torch::Tensor> logits, tokens, drafting;
-  std::vector<double> confidence(B, 1.0);
-  auto keep = torch::ones({B}, last.options().dtype(torch::kBool));
-  bool* kp = keep.data_ptr<bool>();
-  std::vector<torch::Tensor> r = head_layer(ids, feature, true, embed, embed_qtype, weights, qtypes, biases, norms,
-                                            k_cache, v_cache, cos_sin, write_index, positions, read_slots, last,
-                                            n_heads, n_kv_heads, scale, eps);
-  for (int64_t j = 0;; j++) {
-    const torch::Tensor lj = r[0];  // [B, V_draft]
+  const bool identity = draft_ids.numel() == vocab && draft_ids.equal(torch::arange(vocab, draft_ids.options()));
+  auto draw = [&](int64_t j, const torch::Tensor& lj) -> std::vector<torch::Tensor> {
     torch::Tensor full = lj;  // [B, vocab], -inf outside the draft vocabulary (HeadRunner.full_vocab)
     if (!identity) {
       full = torch::full({B, vocab}, -std::numeric_limits<float>::infinity(), lj.options());
@@ -216,8 +232,7 @@ std::vector<torch::Tensor> head_sampled(torch::Tensor ids, torch::Tensor feature
     const torch::Tensor& q = soft[0];  // [B, vocab]
     torch::Tensor tok = torch::empty({B}, last.options());
     if (rest_rows.numel()) {
-      const torch::Tensor qr = q.index_select(0, rest_rows);
-      const torch::Tensor cdf = qr.cumsum(1);
+      const torch::Tensor cdf = q.index_select(0, rest_rows).cumsum(1);
       const torch::Tensor ur = u.select(1, j).index_select(0, rest_rows);
       const torch::Tensor drawn = torch::searchsorted(cdf, (ur * cdf.select(1, vocab - 1)).unsqueeze(1), false, true)
                                       .squeeze(1).clamp_max_(vocab - 1);
@@ -225,26 +240,13 @@ std::vector<torch::Tensor> head_sampled(torch::Tensor ids, torch::Tensor feature
     }
     if (m) tok.index_copy_(0, coupled_rows, exp_race(q.index_select(0, coupled_rows).contiguous(),
                                                      noise.select(0, j).contiguous(), noise_min, noise_max));
-    logits.push_back(lj);
-    tokens.push_back(tok);
-    if (min_confidence > 0) {
-      const torch::Tensor probs = torch::softmax(lj, 1);  // [B, V_draft]
-      const torch::Tensor top = probs.amax(1);  // [B] the law's largest probability, not the draw's
-      const torch::Tensor own = probs.index({all_rows, draft_rows.index_select(0, tok)}).contiguous();  // [B]
-      const float* tp = top.data_ptr<float>();
-      const float* op = own.data_ptr<float>();
-      for (int64_t b = 0; b < B; b++) {
-        kp[b] = kp[b] && confidence[b] * tp[b] >= min_confidence;
-        confidence[b] *= op[b];
-      }
-    }
-    drafting.push_back(keep.clone());
-    if (j + 1 == steps || !keep.any().item<bool>()) break;
-    r = head_layer(tok, r[1], false, embed, embed_qtype, weights, qtypes, biases, norms, k_cache, v_cache,
-                   step_cos_sin.select(1, j).contiguous(), step_write_index.select(1, j).contiguous(),
-                   step_positions.select(1, j).contiguous(), read_slots, all_rows, n_heads, n_kv_heads, scale, eps);
-  }
-  return {torch::stack(logits), torch::stack(tokens), torch::stack(drafting)};
+    torch::Tensor own;  // [B] each draw's probability under the draft vocabulary's softmax, for the gate
+    if (min_confidence > 0) own = torch::softmax(lj, 1).index({all_rows, draft_rows.index_select(0, tok)});
+    return {tok, tok, own};
+  };
+  return head_steps(ids, feature, embed, embed_qtype, weights, qtypes, biases, norms, k_cache, v_cache, cos_sin,
+                    write_index, positions, read_slots, last, n_heads, n_kv_heads, scale, eps, steps, min_confidence,
+                    step_cos_sin, step_positions, step_write_index, draw);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
