@@ -293,7 +293,7 @@ inline void block_rows_dot(const uint8_t* rows, int64_t wstride, int64_t G, cons
   for (int j = 0; j < NT; j++) out[j] = hsum(acc[j]) + macc[j];
 }
 
-// The split layout's one- and two-row kernels (tile_dot_split under AVX-512, split_dot_256 under AVX2) read a run of
+// The split layout's few-row kernels (tile_dot_split under AVX-512, split_dot_256 under AVX2) read a run of
 // SPLIT_LANES / 4 blocks as one vector of code bytes: SPLIT_LANES 32-bit lanes, each holding 8 codes of one block.
 #ifdef MS_AVX512
 constexpr int64_t SPLIT_LANES = 16;
@@ -323,7 +323,6 @@ void split_order(const float* x, int64_t G, float* xp) {
 }
 
 #ifndef MS_AVX512
-
 // Nibble P (0-4) of every 32-bit lane of v times 2^(4P), an exact float (below 2^20): one AND and one conversion.
 template <int P>
 inline __m256 nibble8(__m256i v) {
