@@ -350,8 +350,9 @@ torch::Tensor exp_noise(torch::Tensor seeds, int64_t vocab) {
 
 // softmax(logits[n] / temperature[n]) of each row [N, V] (temperature > 0), and ok [N]: false for a row holding NaN
 // or +inf or nothing above -inf, whose probabilities are left unwritten (sampler.probs_from_logits takes those).
-// The division is torch's (IEEE); exp is exp_f32 (about 1 ulp from torch's), 0 where x - max < -87 (-inf logits
-// get exactly 0); the sum runs in LANES partial sums. Within a few float32 ulps of torch's softmax.
+// The division is torch's (IEEE), and so is d = l / t - max in float32; exp is exp_f32 (about 1 ulp), 0 where
+// d < -87 (-inf logits get exactly 0); the sum runs in LANES float64 partial sums. Within a few float32 ulps of the
+// float64 softmax of those float32 d (torch's own float32 sums drift from it by up to 6e-6 over a 49k row on AVX2).
 std::vector<torch::Tensor> temperature_softmax(torch::Tensor logits, torch::Tensor temperature) {
   check_f32(logits, "logits");
   check_f32(temperature, "temperature");
@@ -389,7 +390,7 @@ std::vector<torch::Tensor> temperature_softmax(torch::Tensor logits, torch::Tens
       const float mt = m / t;  // max(l / t) = max(l) / t: a correctly rounded division by t > 0 is monotonic
       okp[n] = !is_bad && m > ninf && t > 0.0f && std::isfinite(mt);
       if (!okp[n]) continue;
-      float acc[LANES] = {0};
+      double acc[LANES] = {0};  // float64 sums: a float32 lane summing 3k terms of a 49k row drifts by 1e-6
       i = 0;
       for (; i + LANES <= V; i += LANES)
         for (int64_t l = 0; l < LANES; ++l) {
@@ -398,14 +399,14 @@ std::vector<torch::Tensor> temperature_softmax(torch::Tensor logits, torch::Tens
           out[i + l] = e;
           acc[l] += e;
         }
-      float sum = 0.0f;
+      double sum = 0.0;
       for (; i < V; ++i) {
         const float d = row[i] / t - mt;
         out[i] = d < -87.0f ? 0.0f : exp_f32(d);
         sum += out[i];
       }
       for (int64_t l = 0; l < LANES; ++l) sum += acc[l];
-      const float inv = 1.0f / sum;
+      const float inv = static_cast<float>(1.0 / sum);
       for (i = 0; i < V; ++i) out[i] *= inv;
     }
   });
