@@ -133,9 +133,9 @@ def probs_from_logits(
 
 
 def _plain_softmax(logits, temperature, top_k, top_p) -> torch.Tensor | None:
-    """probs_from_logits by one C++ pass (temperature_softmax: a few float32 ulps from float64 over its float32 l / t) where
-    it applies: CPU float32 [N, V] logits, every finite and sampled at temperature >= SHIFT_BELOW_T without top-k
-    or top-p; else None."""
+    """probs_from_logits by one C++ pass (temperature_softmax: a few float32 ulps from float64 over its float32
+    l / t) where it applies: CPU float32 [N, V] logits, every finite and sampled at temperature >= SHIFT_BELOW_T
+    without top-k or top-p; else None."""
     if logits.dim() != 2 or not cpu.applies(logits) or \
             not plain_temperature(temperature, top_k, top_p, logits.shape[-1]):
         return None
