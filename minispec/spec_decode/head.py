@@ -48,7 +48,7 @@ class HeadRunner:
         self.rotary = RotaryEmbedding(SimpleNamespace(rope_theta=cfg.rope_theta), cfg.head_dim, device=device)
         self.draft_ids = self.weights.draft_ids.to(device)  # [draft_vocab] target id of each row
         self.host_draft_ids = self.weights.draft_ids.cpu().numpy()  # [draft_vocab] the same, for host bookkeeping
-        self.draft_rows = draft_rows(self.weights.draft_ids, target_model.vocab_size)  # [vocab] row of each id, -1: none
+        self.draft_rows = draft_rows(self.weights.draft_ids, target_model.vocab_size)  # [vocab] each id's row, -1: none
         self.host_draft_rows = self.draft_rows.numpy()  # the same, for host bookkeeping
         self.identity_vocab = bool((self.draft_ids == torch.arange(target_model.vocab_size, device=device)).all()) \
             if cfg.draft_vocab_size == target_model.vocab_size else False
@@ -331,7 +331,8 @@ class HeadProposer:
             drafted = self.runner.host_draft_ids[rows_run.numpy().T]  # [num_reqs, S] target ids
             drafts[:, : logits.shape[0]] = np.where(drafting.numpy().T, drafted, -1)
             return drafts
-        if not greedy and self.fused_sampled and plain_temperature(sampling.temperature, sampling.top_k, sampling.top_p, self.vocab_size) and \
+        plain = not greedy and plain_temperature(sampling.temperature, sampling.top_k, sampling.top_p, self.vocab_size)
+        if plain and self.fused_sampled and \
                 (steps := self.runner.sampled(slots, starts, tokens, feats, num_steps, self.min_confidence,
                                               sampling.temperature, u, coupled)) is not None:
             logits, drawn, drafting = steps  # [S, num_reqs, draft_vocab], [S, num_reqs], [S, num_reqs]
