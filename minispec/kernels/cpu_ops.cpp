@@ -108,8 +108,9 @@ std::vector<torch::Tensor> head_layer(torch::Tensor ids, torch::Tensor feature, 
 // batch given (fuse on); step j >= 1 feeds request b, at one position each, the target id its step j - 1 drew, with
 // the head's own output, at step_positions / step_write_index / step_cos_sin [B, steps - 1, ...] (the caller's:
 // rope_cache_attend's arguments per step). draw(j, logits [B, V_draft]) gives (what step j reports per request [B],
-// the target ids drawn [B], each draw's probability under the draft vocabulary's softmax [B], or an undefined tensor
-// for the largest one, a greedy draw's own), or an empty vector to give up (then so does this: the caller's loop runs).
+// the target ids drawn [B], each draw's draft-vocabulary row [B] for the gate, or an undefined tensor where the draw
+// is the argmax, whose probability is the largest), or an empty vector to give up (then so does this: the caller's
+// loop runs).
 // Request b stops drafting at step j unless (the product of its draws' probabilities before step j, in float64, as
 // HeadProposer's loop multiplies them) times the head's largest probability at step j (torch's float32 softmax) is at
 // least min_confidence; the steps end once every request has stopped. Returns (logits [S, B, V_draft], reports
@@ -141,14 +142,14 @@ std::vector<torch::Tensor> head_steps(torch::Tensor ids, torch::Tensor feature, 
                                             n_heads, n_kv_heads, scale, eps);
   for (int64_t j = 0;; j++) {
     const torch::Tensor lj = r[0];  // [B, V_draft]
-    const std::vector<torch::Tensor> drawn = draw(j, lj);  // report, target ids, own probabilities
+    const std::vector<torch::Tensor> drawn = draw(j, lj);  // report, target ids, draft-vocabulary rows
     if (drawn.empty()) return {};
     logits.push_back(lj);
     reports.push_back(drawn[0]);
     if (min_confidence > 0) {
       const torch::Tensor probs = torch::softmax(lj, 1);  // [B, V_draft]
       const torch::Tensor top = probs.amax(1);  // [B] the law's largest probability, not the draw's
-      const torch::Tensor own = drawn[2].defined() ? drawn[2].contiguous() : top;  // [B]
+      const torch::Tensor own = drawn[2].defined() ? probs.index({all_rows, drawn[2]}).contiguous() : top;  // [B]
       const float* tp = top.data_ptr<float>();
       const float* op = own.data_ptr<float>();
       for (int64_t b = 0; b < B; b++) {
@@ -192,8 +193,9 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor ids, torch::Tensor feature,
 // the plain-temperature case only): q = temperature_softmax(full, temperature); request b draws by inverse CDF with
 // u[b, j] (torch's float32 cumsum and searchsorted, as sampler.sample_inverse_cdf), or, where it is one of the coupled
 // rows, by exponential race with noise[j, i] (exp_race, as sampler.sample); the gate reads the drawn token's own
-// probability (row draft_rows[token]). Returns (logits [S, B, V_draft], tokens [S, B] target ids, drafting [S, B]
-// bool), or nothing where a row of q is not a plain softmax (temperature_softmax's ok false: the loop takes it).
+// probability (row draft_rows[token]); identity: the draft vocabulary is the full one, in order. Returns (logits
+// [S, B, V_draft], tokens [S, B] target ids, drafting [S, B] bool), or nothing where a row of q is not a plain
+// softmax (temperature_softmax's ok false: the loop takes it).
 std::vector<torch::Tensor> head_sampled(torch::Tensor ids, torch::Tensor feature, torch::Tensor embed,
                                         int64_t embed_qtype, const std::vector<torch::Tensor>& weights,
                                         const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases,
@@ -201,7 +203,8 @@ std::vector<torch::Tensor> head_sampled(torch::Tensor ids, torch::Tensor feature
                                         torch::Tensor v_cache, torch::Tensor cos_sin, torch::Tensor write_index,
                                         torch::Tensor positions, torch::Tensor read_slots, torch::Tensor last,
                                         int64_t n_heads, int64_t n_kv_heads, double scale, double eps, int64_t steps,
-                                        torch::Tensor draft_ids, torch::Tensor draft_rows, int64_t vocab,
+                                        torch::Tensor draft_ids, bool identity, torch::Tensor draft_rows,
+                                        int64_t vocab,
                                         double min_confidence, torch::Tensor step_cos_sin, torch::Tensor step_positions,
                                         torch::Tensor step_write_index, torch::Tensor temperature, torch::Tensor u,
                                         torch::Tensor coupled_rows, torch::Tensor noise, double noise_min,
@@ -216,11 +219,9 @@ std::vector<torch::Tensor> head_sampled(torch::Tensor ids, torch::Tensor feature
                   noise.size(1) == coupled_rows.numel() && (coupled_rows.numel() == 0 || noise.size(0) >= steps),
               "head_sampled: coupled_rows [m] int64 and noise [>= steps, m, vocab]");
   const int64_t m = coupled_rows.numel();
-  const torch::Tensor all_rows = torch::arange(B, last.options());
   torch::Tensor rest = torch::ones({B}, last.options().dtype(torch::kBool));  // the rows drawn by inverse CDF
   if (m) rest.index_fill_(0, coupled_rows, false);
   const torch::Tensor rest_rows = rest.nonzero().squeeze(1);  // [B - m]
-  const bool identity = draft_ids.numel() == vocab && draft_ids.equal(torch::arange(vocab, draft_ids.options()));
   auto draw = [&](int64_t j, const torch::Tensor& lj) -> std::vector<torch::Tensor> {
     torch::Tensor full = lj;  // [B, vocab], -inf outside the draft vocabulary (HeadRunner.full_vocab)
     if (!identity) {
@@ -240,9 +241,7 @@ std::vector<torch::Tensor> head_sampled(torch::Tensor ids, torch::Tensor feature
     }
     if (m) tok.index_copy_(0, coupled_rows, exp_race(q.index_select(0, coupled_rows).contiguous(),
                                                      noise.select(0, j).contiguous(), noise_min, noise_max));
-    torch::Tensor own;  // [B] each draw's probability under the draft vocabulary's softmax, for the gate
-    if (min_confidence > 0) own = torch::softmax(lj, 1).index({all_rows, draft_rows.index_select(0, tok)});
-    return {tok, tok, own};
+    return {tok, tok, draft_rows.index_select(0, tok)};
   };
   return head_steps(ids, feature, embed, embed_qtype, weights, qtypes, biases, norms, k_cache, v_cache, cos_sin,
                     write_index, positions, read_slots, last, n_heads, n_kv_heads, scale, eps, steps, min_confidence,

@@ -168,8 +168,8 @@ class HeadRunner:
         else:
             rows, noise = at[coupled[0][0]], torch.stack([c[1] for c in coupled])  # [m], [num_steps, m, vocab]
         out = cpu.ops().head_sampled(
-            *head_args, num_steps, self.draft_ids, self.draft_rows, vocab, float(min_confidence), *later,
-            temperature[perm].float().contiguous(), u[perm].float().contiguous(), rows, noise.contiguous(),
+            *head_args, num_steps, self.draft_ids, self.identity_vocab, self.draft_rows, vocab, float(min_confidence),
+            *later, temperature[perm].float().contiguous(), u[perm].float().contiguous(), rows, noise.contiguous(),
             NOISE_MIN, NOISE_MAX)
         self.forward_s += time.perf_counter() - t0
         return _request_order(order, 1, *out) if out else None
