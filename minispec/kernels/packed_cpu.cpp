@@ -293,6 +293,35 @@ inline void block_rows_dot(const uint8_t* rows, int64_t wstride, int64_t G, cons
   for (int j = 0; j < NT; j++) out[j] = hsum(acc[j]) + macc[j];
 }
 
+// RT activation rows x (stride ldx) against NT packed rows of a file layout without minima (Q8_0, Q4_0): out[r * ldo + j]
+// = sum_g d_g (q_g . x_r,g), each block's codes converted once for the RT rows, x read once per block for the NT rows.
+template <int64_t QT, int NT, int RT>
+inline void block_tile_dot(const uint8_t* rows, int64_t wstride, int64_t G, const float* x, int64_t ldx, float* out,
+                           int64_t ldo) {
+  static_assert(FT<QT> != Q4_1, "minima take block_row_dot");
+  __m256 acc[RT][NT];
+  for (int r = 0; r < RT; r++)
+    for (int j = 0; j < NT; j++) acc[r][j] = _mm256_setzero_ps();
+  const Prefetch ahead(rows + 2 * NT * wstride, NT * wstride, G);  // the tile after next
+  for (int64_t g = 0; g < G; g++) {
+    ahead.part(g);
+    for (int j = 0; j < NT; j++) {
+      __m256 w[4];
+      float d, m;
+      load_block<QT>(Blocks<QT>{rows + j * wstride, G}, g, w, d, m);
+      const __m256 dg = _mm256_set1_ps(d);
+      for (int r = 0; r < RT; r++) {
+        const float* xg = x + r * ldx + g * GROUP;
+        const __m256 xv[4] = {_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8), _mm256_loadu_ps(xg + 16),
+                              _mm256_loadu_ps(xg + 24)};
+        acc[r][j] = _mm256_fmadd_ps(dg, block_dot(w, xv), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < RT; r++)
+    for (int j = 0; j < NT; j++) out[r * ldo + j] = hsum(acc[r][j]);
+}
+
 // The split layout's few-row kernels (tile_dot_split under AVX-512, split_dot_256 under AVX2) read a run of
 // SPLIT_LANES / 4 blocks as one vector of code bytes: SPLIT_LANES 32-bit lanes, each holding 8 codes of one block.
 #ifdef MS_AVX512
@@ -450,8 +479,20 @@ void block_rows(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, 
       for (; n < end; n++) block_rows_dot<QT, 1>(wd + n * wstride, wstride, G, x, sx, out + n);
       return;
     }
-    case 2: return block_rows_rt<QT, 2>(wd, wstride, begin, end, G, x, out, N);
-    case 3: return block_rows_rt<QT, 3>(wd, wstride, begin, end, G, x, out, N);
+    case 2:
+      if constexpr (QT == Q8_0) {
+        int64_t n = begin;
+        for (; n + 2 <= end; n += 2) block_tile_dot<QT, 2, 2>(wd + n * wstride, wstride, G, x, K, out + n, N);
+        for (; n < end; n++) block_tile_dot<QT, 1, 2>(wd + n * wstride, wstride, G, x, K, out + n, N);
+        return;
+      }
+      return block_rows_rt<QT, 2>(wd, wstride, begin, end, G, x, out, N);
+    case 3:
+      if constexpr (QT == Q8_0) {
+        for (int64_t n = begin; n < end; n++) block_tile_dot<QT, 1, 3>(wd + n * wstride, wstride, G, x, K, out + n, N);
+        return;
+      }
+      return block_rows_rt<QT, 3>(wd, wstride, begin, end, G, x, out, N);
     case 4: return block_rows_rt<QT, 4>(wd, wstride, begin, end, G, x, out, N);
     case 5: return block_rows_rt<QT, 5>(wd, wstride, begin, end, G, x, out, N);
     case 6: return block_rows_rt<QT, 6>(wd, wstride, begin, end, G, x, out, N);
