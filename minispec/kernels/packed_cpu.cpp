@@ -268,58 +268,34 @@ inline void block_row_dot(const uint8_t* row, int64_t G, const float* x, int64_t
   for (int r = 0; r < RT; r++) out[r * ldo] = hsum(A == 2 ? _mm256_add_ps(acc[r][0], acc[r][A - 1]) : acc[r][0]);
 }
 
-// One activation row x against NT packed rows (stride wstride) at once: x is loaded once per block
-// for all NT rows, and the NT accumulators are independent chains. out[j] for each j.
-template <int64_t QT, int NT>
-inline void block_rows_dot(const uint8_t* rows, int64_t wstride, int64_t G, const float* x, const float* sx,
-                           float* out) {
-  __m256 acc[NT];
-  float macc[NT];
-  for (int j = 0; j < NT; j++) { acc[j] = _mm256_setzero_ps(); macc[j] = 0.0f; }
+// RT activation rows x (stride ldx) against NT packed rows (stride wstride) at once: out[r * ldo + j] = sum_g d_g
+// (q_g . x_r,g) + m_g sx[r * G + g] (the minima's term Q4_1 only): each block's codes converted once for the RT rows,
+// x read once per block for the NT rows, the NT x RT accumulators independent chains.
+template <int64_t QT, int NT, int RT>
+inline void block_rows_dot(const uint8_t* rows, int64_t wstride, int64_t G, const float* x, int64_t ldx,
+                           const float* sx, float* out, int64_t ldo) {
+  __m256 acc[RT][NT];
+  float macc[RT][NT];
+  for (int r = 0; r < RT; r++)
+    for (int j = 0; j < NT; j++) { acc[r][j] = _mm256_setzero_ps(); macc[r][j] = 0.0f; }
   const Prefetch ahead(rows + 2 * NT * wstride, NT * wstride, G);  // the tile after next: NT contiguous rows
   for (int64_t g = 0; g < G; g++) {
     ahead.part(g);
-    const float* xg = x + g * GROUP;
-    const __m256 xv[4] = {_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8), _mm256_loadu_ps(xg + 16),
-                          _mm256_loadu_ps(xg + 24)};
     for (int j = 0; j < NT; j++) {
       __m256 w[4];
       float d, m;
       load_block<QT>(Blocks<QT>{rows + j * wstride, G}, g, w, d, m);
-      acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d), block_dot(w, xv), acc[j]);
-      if constexpr (FT<QT> == Q4_1) macc[j] += m * sx[g];
-    }
-  }
-  for (int j = 0; j < NT; j++) out[j] = hsum(acc[j]) + macc[j];
-}
-
-// RT activation rows x (stride ldx) against NT packed rows of a file layout without minima (Q8_0, Q4_0): out[r * ldo + j]
-// = sum_g d_g (q_g . x_r,g), each block's codes converted once for the RT rows, x read once per block for the NT rows.
-template <int64_t QT, int NT, int RT>
-inline void block_tile_dot(const uint8_t* rows, int64_t wstride, int64_t G, const float* x, int64_t ldx, float* out,
-                           int64_t ldo) {
-  static_assert(FT<QT> != Q4_1, "minima take block_row_dot");
-  __m256 acc[RT][NT];
-  for (int r = 0; r < RT; r++)
-    for (int j = 0; j < NT; j++) acc[r][j] = _mm256_setzero_ps();
-  const Prefetch ahead(rows + 2 * NT * wstride, NT * wstride, G);  // the tile after next
-  for (int64_t g = 0; g < G; g++) {
-    ahead.part(g);
-    for (int j = 0; j < NT; j++) {
-      __m256 w[4];
-      float d, m;
-      load_block<QT>(Blocks<QT>{rows + j * wstride, G}, g, w, d, m);
-      const __m256 dg = _mm256_set1_ps(d);
       for (int r = 0; r < RT; r++) {
         const float* xg = x + r * ldx + g * GROUP;
         const __m256 xv[4] = {_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8), _mm256_loadu_ps(xg + 16),
                               _mm256_loadu_ps(xg + 24)};
-        acc[r][j] = _mm256_fmadd_ps(dg, block_dot(w, xv), acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(d), block_dot(w, xv), acc[r][j]);
+        if constexpr (FT<QT> == Q4_1) macc[r][j] += m * sx[r * G + g];
       }
     }
   }
   for (int r = 0; r < RT; r++)
-    for (int j = 0; j < NT; j++) out[r * ldo + j] = hsum(acc[r][j]);
+    for (int j = 0; j < NT; j++) out[r * ldo + j] = hsum(acc[r][j]) + macc[r][j];
 }
 
 // The split layout's few-row kernels (tile_dot_split under AVX-512, split_dot_256 under AVX2) read a run of
@@ -472,26 +448,19 @@ void block_rows(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, 
 #else
   (void)xp;
 #endif
+  auto tiles = [&](auto nt, auto rt) {  // block_rows_dot in tiles of NT weight rows, then single rows
+    constexpr int NT = decltype(nt)::value, RT = decltype(rt)::value;
+    int64_t n = begin;
+    for (; n + NT <= end; n += NT) block_rows_dot<QT, NT, RT>(wd + n * wstride, wstride, G, x, K, sx, out + n, N);
+    for (; n < end; n++) block_rows_dot<QT, 1, RT>(wd + n * wstride, wstride, G, x, K, sx, out + n, N);
+  };
   switch (M) {
-    case 1: {
-      int64_t n = begin;
-      for (; n + 4 <= end; n += 4) block_rows_dot<QT, 4>(wd + n * wstride, wstride, G, x, sx, out + n);
-      for (; n < end; n++) block_rows_dot<QT, 1>(wd + n * wstride, wstride, G, x, sx, out + n);
-      return;
-    }
-    case 2:
-      if constexpr (QT == Q8_0) {
-        int64_t n = begin;
-        for (; n + 2 <= end; n += 2) block_tile_dot<QT, 2, 2>(wd + n * wstride, wstride, G, x, K, out + n, N);
-        for (; n < end; n++) block_tile_dot<QT, 1, 2>(wd + n * wstride, wstride, G, x, K, out + n, N);
-        return;
-      }
+    case 1: return tiles(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
+    case 2:  // Q8_0 (the LM head): d (q . x) per block measured faster (docs/experiments.md, twenty-eighth session)
+      if constexpr (QT == Q8_0) return tiles(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
       return block_rows_rt<QT, 2>(wd, wstride, begin, end, G, x, out, N);
     case 3:
-      if constexpr (QT == Q8_0) {
-        for (int64_t n = begin; n < end; n++) block_tile_dot<QT, 1, 3>(wd + n * wstride, wstride, G, x, K, out + n, N);
-        return;
-      }
+      if constexpr (QT == Q8_0) return tiles(std::integral_constant<int, 1>{}, std::integral_constant<int, 3>{});
       return block_rows_rt<QT, 3>(wd, wstride, begin, end, G, x, out, N);
     case 4: return block_rows_rt<QT, 4>(wd, wstride, begin, end, G, x, out, N);
     case 5: return block_rows_rt<QT, 5>(wd, wstride, begin, end, G, x, out, N);
