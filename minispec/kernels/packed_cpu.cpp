@@ -306,9 +306,10 @@ constexpr int64_t SPLIT_LANES = 16;
 constexpr int64_t SPLIT_LANES = 8;
 #endif
 constexpr int64_t SPLIT_RUN = SPLIT_LANES / 4;  // blocks per run
-// Rows of x up to which split rows take the split kernels (docs/experiments.md): AVX-512's measured no faster than
-// the tiles in a 3-token forward; AVX2's beat the file layout's kernel up to 5 rows (0.8-0.95x its time per block).
-constexpr int64_t SPLIT_MAX_ROWS = SPLIT_LANES == 16 ? 2 : 5;
+// Rows of x up to which split rows take the split kernels (docs/experiments.md): AVX-512's beat the tiles up to 3
+// rows on a Zen 4 (0.94-0.95x the model's matrices streamed at 3 rows; one weight row a tile at 4 rows measured
+// slower streamed); AVX2's up to 5 rows (0.8-0.95x the file layout's kernel).
+constexpr int64_t SPLIT_MAX_ROWS = SPLIT_LANES == 16 ? 3 : 5;
 // Floats between consecutive rows of x in split_order: whole runs, so each row stays 64-byte aligned.
 inline int64_t split_stride(int64_t G) { return G / SPLIT_RUN * 32 * SPLIT_RUN; }
 
@@ -567,7 +568,7 @@ inline __m512 nibble(__m512i v) {
   return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15 << (4 * P))));
 }
 
-// RT rows of x (1 or 2; each in split_order, xp + r * ldxp; x and sx of stride ldx and G) against NT split rows
+// RT rows of x (1 to 3; each in split_order, xp + r * ldxp; x and sx of stride ldx and G) against NT split rows
 // (Q4_0_SPLIT, Q4_1_SPLIT): out[r * ldo + j] = x_r . row j, as sum_g d_g (q_g . x_g) + sum_g m_g sx_g (Q4_0:
 // m_g = -8 d_g). A run of 4 blocks is one 64-byte load of codes, 8 nibble extractions and 4 scales, made once for
 // the RT rows, then 8 FMAs against each row's xp (each 16-float vector loaded once for the NT weight rows) and one
@@ -713,9 +714,9 @@ void tiles_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, i
 // Rows of x per chunk: 64 rows of up to 1536 floats (384 KB) stay in L2 while a thread's weight rows pass them.
 constexpr int64_t X_CHUNK_ROWS = 64;
 
-// Rows [begin, end) of out [M, N]: one or two rows of x against split rows as tile_dot_split (xp: each row of x in
-// split_order, split_stride apart), one row against a file layout as rows_dot_512, 2-5 rows in tiles of 4 weight
-// rows, more in tiles of 2 over 64-row chunks of x.
+// Rows [begin, end) of out [M, N]: 1-3 rows of x against split rows as tile_dot_split (xp: each row of x in
+// split_order, split_stride apart), one row against a file layout as rows_dot_512, other rows up to 5 in tiles of 4
+// weight rows, more in tiles of 2 over 64-row chunks of x.
 template <int64_t QT>
 void block_rows_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, const float* x,
                     int64_t M, const float* sx, const float* xp, float* out, int64_t N) {
@@ -730,7 +731,8 @@ void block_rows_512(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t e
         for (; n < end; n++) tile_dot_split<QT, 1, RT>(wd + n * wstride, wstride, G, xp, ldxp, x, K, sx, out + n, N);
       };
       if (M == 1) pass(std::integral_constant<int, 1>{});
-      else pass(std::integral_constant<int, 2>{});
+      else if (M == 2) pass(std::integral_constant<int, 2>{});
+      else pass(std::integral_constant<int, 3>{});
       return;
     }
   }
