@@ -144,12 +144,13 @@ def test_default_is_target_only_and_shipped_draft_greedy_equals_transformers(hf_
 
 
 def test_shipped_head_greedy_equals_transformers(hf_outputs):
-    """The shipped EAGLE-3 head at int8, k = 1 (each verification two rows of x through the packed target: the split
-    rows' two-row kernel where the build has it) and k = 3: the target's greedy tokens, and the head agrees with the
-    target often (a guard on its weights: 0.59 at position 1 on the eval prompts, 0.39 on these)."""
-    for k in (1, 3):
+    """The shipped EAGLE-3 head at int8, k = 1 and 3 over batches of up to 4, and k = 2 one request at a time (each
+    verification three rows of x through the packed target: the split rows' few-row kernel where the build has it):
+    the target's greedy tokens, and the head agrees with the target often (a guard on its weights: 0.59 at position
+    1 on the eval prompts, 0.39 on these)."""
+    for k, seqs in ((1, 4), (2, 1), (3, 4)):
         llm = LLM(draft="smollm2-135m-instruct-eagle3", draft_quantization="int8", num_speculative_tokens=k,
-                  max_num_seqs=4)
+                  max_num_seqs=seqs)
         outs = llm.generate(PROMPTS, GREEDY, use_chat_template=True)
         check_equal(outs, hf_outputs, f"shipped head, k = {k}")
         m = report(f"shipped head k={k}", outs)
