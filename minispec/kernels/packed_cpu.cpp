@@ -307,7 +307,7 @@ constexpr int64_t SPLIT_LANES = 8;
 #endif
 constexpr int64_t SPLIT_RUN = SPLIT_LANES / 4;  // blocks per run
 // Rows of x up to which split rows take the split kernels (docs/experiments.md): AVX-512's beat the tiles up to 3
-// rows on a Zen 4 (0.94-0.95x the model's matrices streamed at 3 rows; one weight row a tile at 4 rows measured
+// rows on a Zen 4 (0.93-0.95x the model's matrices streamed at 3 rows; one weight row a tile at 4 rows measured
 // slower streamed); AVX2's up to 5 rows (0.8-0.95x the file layout's kernel).
 constexpr int64_t SPLIT_MAX_ROWS = SPLIT_LANES == 16 ? 3 : 5;
 // Floats between consecutive rows of x in split_order: whole runs, so each row stays 64-byte aligned.
