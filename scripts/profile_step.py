@@ -7,8 +7,9 @@ For each shape BxL (B requests, L query tokens each: 1 + k drafts) it prefills B
 tokens, then times ModelRunner.forward over B x L new tokens (the same positions each time, as a
 rolled-back verify would). Figures per step, in ms:
   step       wall time of the forward (logits included), no profiler
-  gemm       every linear module's forward replayed back to back on the inputs it saw in that
-             step, plus compute_logits (the LM head): the weight matrix products alone
+  gemm       every linear module's weight product replayed back to back on the input it saw in that
+             step (a packed weight's C++ op called directly: no module call around it, which would count
+             several microseconds of Python per matrix as GEMM time), plus compute_logits (the LM head)
   rest       step - gemm: norms, RoPE, attention, residuals, host work
 and a torch.profiler table of the ops by self time (the profiler adds its own per-op cost: read
 the shares, not the absolute sums). --clock cpu times with this process's CPU seconds instead of
@@ -28,6 +29,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from minispec import LLM, SamplingParams
+from minispec.kernels import cpu
+from minispec.layers.quant import PackedWeight, linear
 from minispec.runner.model_runner import ModelRunner
 
 GEMM_OPS = re.compile(r"linear|addmm|^aten::mm$|matmul|gemv|gemm|int4|int8|quant|packed")
@@ -79,6 +82,17 @@ def linear_inputs(model, step) -> list[tuple[torch.nn.Module, torch.Tensor]]:
     return seen
 
 
+def product(m: torch.nn.Module, x: torch.Tensor) -> tuple:
+    """(function, args) of m's weight product on input x: the packed C++ op itself where layers/quant.py's linear
+    would call it (a CPU packed weight, rows within PACKED_MAX_ROWS or a tiled layout), else that linear."""
+    w, x2 = m.weight, x.reshape(-1, x.shape[-1]).float().contiguous()  # [M, K]
+    ext = cpu.ops()
+    if isinstance(w, PackedWeight) and not x.is_cuda and ext is not None and \
+            (x2.shape[0] <= ext.PACKED_MAX_ROWS or w.tiled) and m.bias is None:
+        return ext.packed_linear, (x2, w.data, w.qtype, w.in_features)
+    return linear, (x2, w, m.bias)
+
+
 def profile_shape(model, runner: ModelRunner, B: int, L: int, ctx: int, steps: int, top: int) -> dict:
     slots = list(range(B))
     g = torch.Generator().manual_seed(0)
@@ -91,12 +105,12 @@ def profile_shape(model, runner: ModelRunner, B: int, L: int, ctx: int, steps: i
         return runner.forward(slots, [ctx] * B, queries, [L] * B)
 
     with torch.inference_mode():
-        calls = linear_inputs(model, step)
+        calls = [product(m, x) for m, x in linear_inputs(model, step)]
         rows = torch.randn(B * L, model.hidden_size, dtype=model.dtype)
 
         def gemms():
-            for m, x in calls:
-                m(x)
+            for fn, args in calls:
+                fn(*args)
             model.compute_logits(rows)
 
         step_s = timed(step, steps)
