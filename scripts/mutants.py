@@ -179,6 +179,12 @@ MUTANTS = [
     Mutant("head_sampled: the coupled rows raced with the first step's noise at every step",
            "minispec/kernels/cpu_ops.cpp", "noise.select(0, j).contiguous()", "noise.select(0, 0).contiguous()",
            ("tests/test_head.py", "-k", "sampled_steps")),
+    # ---- decode_layers in one parallel region (kernels/cpu_ops.cpp; each mutant rebuilds the C++ extension)
+    Mutant("one region: each thread's share of silu's columns one short", "minispec/kernels/cpu_ops.cpp",
+           "if (c0 < c1) silu_mul_rows(gu, I, 0, T, c0, c1, act);",
+           "if (c0 < c1) silu_mul_rows(gu, I, 0, T, c0, c1 - 1, act);", ("tests/test_models.py", "-k", "one_region")),
+    Mutant("one region: the bias added to the first thread's rows only", "minispec/kernels/cpu_ops.cpp",
+           "      if (bp[i])\n", "      if (bp[i] && tid == 0)\n", ("tests/test_models.py", "-k", "one_region")),
     # ---- the split rows' kernels (kernels/packed_cpu.cpp; each mutant rebuilds the C++ extension): the build's own,
     # AVX-512's tile_dot_split where the CPU has AVX-512, else AVX2's split_dot_256
     *(Mutant(name, "minispec/kernels/packed_cpu.cpp", old, new,

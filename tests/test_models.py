@@ -7,10 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from minispec.kernels import cpu
 from minispec.runner.kv_cache import KVCache
 from minispec.layers.attention import ForwardBatch
 from minispec.models.loader import load_model
-from tests.utils import make_tiny_gguf, make_tiny_model_dir, requires_smollm2, smollm2_gguf_path
+from tests.utils import (decode_layers_both_ways, make_tiny_gguf, make_tiny_model_dir, requires_smollm2,
+                         smollm2_gguf_path)
 
 CASES = {
     "llama-untied": ("llama", dict(tie_word_embeddings=False)),
@@ -220,6 +222,30 @@ def test_smollm2_alias_matches_transformers(smollm2):
     # (logits up to ~30 here; measured 1.1e-4 absolute, 4e-6 relative).
     assert (ours - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     assert ours[-1].argmax().item() == ref[-1].argmax().item()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["dense", "Q4_0", "Q4_1"])
+def test_decode_layers_one_region_equals_op_by_op(kind, threads, tmp_path, monkeypatch):
+    """decode_layers runs every layer in one parallel region (each thread a share of every op, barriers between):
+    torch.equal to its op-by-op path (each op its own threads) at 1, 2, 3 and 5 tokens of one request and 2 x 8, at
+    1, 2 and 3 threads: the output, the captured states, the residual stream left in h and the K / V caches."""
+    if kind == "dense":
+        path = make_tiny_model_dir(tmp_path, attention_bias=True, mlp_bias=True, seed=4)
+    else:
+        path = make_tiny_gguf(tmp_path / "tiny.gguf", qtype=kind, seed=4)
+    model = load_model(path, dtype=torch.float32, device="cpu").model
+    if model.cpu_layers() is None:
+        pytest.skip("the C++ CPU kernels could not be built")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pairs = decode_layers_both_ways(cpu.ops(), model, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+    for one, op_by_op in pairs:
+        assert all(torch.equal(a, b) for a, b in zip(one, op_by_op))
+    assert pairs[0][0][0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("fused_limit", [16, None])

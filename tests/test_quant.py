@@ -12,6 +12,8 @@ from minispec.kernels.cpu import CFLAGS, SOURCES, ops
 from minispec.kernels.ggml import PACKED_TYPES, SPLIT_OF, TILES_OF, file_type
 from minispec.layers.quant import (PackedWeight, dequantize_ref, embedding, join_rows, kernel_layout, kernel_qtype,
                                   linear, linear_ref, untile_rows)
+from minispec.models.loader import load_model
+from tests.utils import decode_layers_both_ways, make_tiny_gguf
 
 TYPES = {"Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q8_0": T.Q8_0, "F16": T.F16, "BF16": T.BF16}
 SPLIT = {"Q4_0 split": "Q4_0", "Q4_1 split": "Q4_1"}  # the memory-only layouts, made from gguf's rows
@@ -161,10 +163,11 @@ NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 
 @pytest.mark.parametrize("isa,flags", [("avx512", NO_AMX), ("avx2", ["-mno-avx512f"]),
                                        ("portable", ["-mno-avx512f", "-mno-avx2", "-mno-fma"])])
-def test_narrower_builds_equal_float32_layer(isa, flags):
+def test_narrower_builds_equal_float32_layer(isa, flags, tmp_path, monkeypatch):
     """The paths this CPU does not take by default, built without its wider instructions (a second build, cached):
     every block type and tile shape against F.linear over the dequantised weight, rel tol 1e-5. avx512: the AVX-512
-    paths an AMX machine leaves for 9+ rows of x."""
+    paths an AMX machine leaves for 9+ rows of x. The build's decode_layers in one parallel region equals its op-by-op
+    path (torch.equal)."""
     if ops() is None or ops().PACKED_ISA == "portable" or (isa == "avx2" and ops().PACKED_ISA == "avx2") or \
             (isa == "avx512" and not ops().packed_amx()):
         pytest.skip(f"this CPU's own build is the {isa} one (or none): the other tests run it")
@@ -183,6 +186,10 @@ def test_narrower_builds_equal_float32_layer(isa, flags):
     assert torch.equal(tokens, torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1))
     assert finite.tolist() == [True, False, False]
     narrower_sampling_and_attention(ext)
+    model = load_model(make_tiny_gguf(tmp_path / "tiny.gguf", qtype="Q4_1", seed=4), dtype=torch.float32,
+                       device="cpu").model
+    for one, op_by_op in decode_layers_both_ways(ext, model, monkeypatch):
+        assert all(torch.equal(a, b) for a, b in zip(one, op_by_op))
 
 
 def narrower_sampling_and_attention(ext):

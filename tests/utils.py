@@ -157,3 +157,34 @@ def check_logprobs(lp: torch.Tensor, ids: list[int], start: int, entries: list, 
         assert all(abs(v - row[t].item()) < 1e-4 for t, v in top)
         if num_top and x >= got[num_top - 1] + 1e-4:
             assert token in [t for t, _ in top]
+
+
+def decode_layers_both_ways(ops, model, monkeypatch, shapes=((1, 1), (1, 2), (1, 3), (1, 5), (2, 8))):
+    """kernels/cpu_ops.cpp's decode_layers through `ops` (a build of the C++ kernels) over model's layers, for each
+    (requests, tokens each) of shapes at positions 20.., in one parallel region and op by op
+    (MINISPEC_LAYERS_OP_BY_OP=1): [(one region, op by op)] of (output, captured, h after, K and V caches after)."""
+    layers = model.cpu_layers()
+    nl, nkv, nh, hd, H = model.num_layers, model.num_kv_heads, model.num_heads, model.head_dim, model.hidden_size
+    g = torch.Generator().manual_seed(3)
+    pairs = []
+    for B, L in shapes:
+        T, capture = B * L, [0, 1, nl]
+        args = (torch.randn(T, H, generator=g), torch.randn(T, hd // 2, 2, generator=g))
+        caches = [torch.randn(3, 32, nkv, hd, generator=g) for _ in range(2 * nl)]
+        positions = torch.arange(20, 20 + L).repeat(B)
+        read_slots = torch.arange(B)
+        write_index = read_slots.repeat_interleave(L) * 32 + positions
+        runs = []
+        for op_by_op in ("0", "1"):
+            monkeypatch.setenv("MINISPEC_LAYERS_OP_BY_OP", op_by_op)
+            runs_before = ops.region_runs()
+            h, cs = args[0].clone(), args[1]
+            k, v = [c.clone() for c in caches[:nl]], [c.clone() for c in caches[nl:]]
+            captured = torch.empty(T, len(capture) * H)
+            out = ops.decode_layers(h, *layers, k, v, cs, write_index, positions, read_slots, nh, nkv, hd ** -0.5,
+                                    1e-5, capture, captured)
+            assert ops.region_runs() - runs_before == (op_by_op == "0")  # the region ran, or was switched off
+            runs.append((out, captured, h, torch.stack(k), torch.stack(v)))
+        pairs.append(tuple(runs))
+    monkeypatch.delenv("MINISPEC_LAYERS_OP_BY_OP")
+    return pairs

@@ -4,8 +4,16 @@
 // the results are the same floats; only the Python between the ops is gone.
 #include "cpu_ops.h"
 
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -17,6 +25,158 @@ torch::Tensor layer_linear(const torch::Tensor& x, const std::vector<torch::Tens
   if (qtypes[i] == F32) return dense_linear(x, weights[i], has_bias ? c10::optional<torch::Tensor>(biases[i]) : c10::nullopt);
   torch::Tensor y = packed_linear(x, weights[i], qtypes[i], x.size(1));
   return has_bias ? y.add_(biases[i]) : y;
+}
+
+// Rows [begin, end) of [0, n) that thread tid of nt takes, as at::parallel_for shares n with this grain.
+std::pair<int64_t, int64_t> share(int64_t n, int64_t grain, int tid, int nt) {
+  const int64_t used = std::max<int64_t>(1, std::min<int64_t>(nt, (n + grain - 1) / grain));
+  const int64_t chunk = (n + used - 1) / used, begin = std::min(n, tid * chunk);
+  return {begin, std::min(n, begin + chunk)};
+}
+
+void barrier() {
+#pragma omp barrier
+}
+
+int64_t region_runs = 0;  // decode_layers calls that ran in one region (tests read it: the region did run)
+
+// decode_layers in one parallel region: every thread runs every layer, taking its share of each matrix's rows, of the
+// attention's units and of silu's columns, with a barrier where the next op reads what all wrote (7 a layer: after
+// qkv, the rotation, the attention, o, gate|up, silu and down), where op by op each op forks and joins its own threads
+// and allocates its output. Each thread keeps its own copy of the residual stream and the normed input (the same
+// floats in every thread). Only the splits differ from op by op, and no value depends on them: the same floats.
+// Returns an undefined tensor where it does not apply (a weight that the range kernels do not take at T rows, or
+// MINISPEC_LAYERS_OP_BY_OP=1 to compare the two); decode_layers then runs op by op.
+torch::Tensor layers_in_one_region(torch::Tensor h, const std::vector<torch::Tensor>& weights,
+                                   const std::vector<int64_t>& qtypes, const std::vector<torch::Tensor>& biases,
+                                   const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& k_caches,
+                                   const std::vector<torch::Tensor>& v_caches, const Attention& a, double eps,
+                                   const std::vector<int64_t>& capture, torch::Tensor captured) {
+  const char* off = std::getenv("MINISPEC_LAYERS_OP_BY_OP");
+  if (off && *off && std::strcmp(off, "0") != 0) return {};
+  const size_t layers = k_caches.size();
+  const int64_t T = h.size(0), H = h.size(1), A = a.n_heads * a.hd, I = weights[2].size(0) / 2;
+  const int64_t Ks[4] = {H, A, H, I}, Ns[4] = {a.width, H, 2 * I, H};  // qkv, o, gate|up, down
+  auto f32 = [](const torch::Tensor& t) { return t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu(); };
+  if (!f32(h) || a.T != T || (!capture.empty() && !f32(captured))) return {};
+  for (size_t i = 0; i < weights.size(); i++) {
+    const torch::Tensor& w = weights[i];
+    const int64_t K = Ks[i % 4], N = Ns[i % 4];
+    const BlockFormat f = block_format(qtypes[i]);
+    const bool ok = qtypes[i] == F32 ? dense_range_takes(T) && f32(w) && w.dim() == 2 && w.size(0) == N && w.size(1) == K
+                                     : packed_range_takes(qtypes[i], T, K) && w.scalar_type() == torch::kUInt8 &&
+                                           w.is_contiguous() && w.dim() == 2 && w.size(0) == N &&
+                                           w.size(1) == K / f.values * f.bytes;
+    if (!ok || (biases[i].numel() > 0 && !(f32(biases[i]) && biases[i].numel() == N))) return {};
+  }
+  for (const torch::Tensor& n : norms)
+    if (!f32(n) || n.numel() != H) return {};
+  for (size_t l = 0; l < layers; l++)
+    if (!f32(k_caches[l]) || !f32(v_caches[l]) || k_caches[l].sizes() != k_caches[0].sizes() ||
+        v_caches[l].sizes() != k_caches[0].sizes())
+      return {};
+  std::vector<const void*> wp;
+  std::vector<const float*> bp, np;
+  std::vector<float*> kc, vc;
+  for (size_t i = 0; i < weights.size(); i++) {
+    wp.push_back(weights[i].data_ptr());
+    bp.push_back(biases[i].numel() > 0 ? biases[i].data_ptr<float>() : nullptr);
+  }
+  for (const torch::Tensor& n : norms) np.push_back(n.data_ptr<float>());
+  for (size_t l = 0; l < layers; l++) {
+    kc.push_back(k_caches[l].data_ptr<float>());
+    vc.push_back(v_caches[l].data_ptr<float>());
+  }
+  // What the threads share: each op's output, [T, width] qkv, [T, A] attention, [T, H] o, [T, 2 I] gate|up, [T, I]
+  // silu, [T, H] down; and the result.
+  // Each starts 64-byte aligned (whole cache lines apart: the kernels' loads then never cross one).
+  auto lines = [](int64_t floats) { return (floats + 15) / 16 * 16; };
+  const int64_t sizes[6] = {T * a.width, T * A, T * H, T * 2 * I, T * I, T * H};
+  int64_t total = 0;
+  for (int64_t n : sizes) total += lines(n);
+  torch::Tensor shared = torch::empty({total}, h.options());
+  float* qkv = shared.data_ptr<float>();
+  float* attn = qkv + lines(sizes[0]);
+  float* o = attn + lines(sizes[1]);
+  float* gu = o + lines(sizes[2]);
+  float* act = gu + lines(sizes[3]);
+  float* mlp = act + lines(sizes[4]);
+  torch::Tensor out = torch::empty({T, H}, h.options());
+  float *op = out.data_ptr<float>(), *hp = h.data_ptr<float>();
+  float* cap = capture.empty() ? nullptr : captured.data_ptr<float>();
+  const int64_t C = capture.size();
+  auto run = [&](int tid, int nt) {
+    // this thread's residual stream and normed input, 64-byte aligned as torch's tensors (the kernels' loads of x
+    // then never cross a cache line)
+    std::vector<float> buf(2 * lines(T * H) + 16);
+    float* res = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    float* x = res + lines(T * H);
+    std::memcpy(res, hp, T * H * sizeof(float));
+    PackedInput in;
+    auto sync = [&] {
+      if (nt > 1) barrier();
+    };
+    auto keep = [&](size_t l, const float* stream) {
+      for (int64_t c = 0; c < C && tid == 0; c++)
+        if (capture[c] == static_cast<int64_t>(l))
+          for (int64_t t = 0; t < T; t++) std::memcpy(cap + (t * C + c) * H, stream + t * H, H * sizeof(float));
+    };
+    auto linear = [&](size_t i, const float* xi, float* y) {  // this thread's rows of y [T, N] = xi [T, K] W_i^T + b_i
+      const int64_t K = Ks[i % 4], N = Ns[i % 4];
+      const auto [begin, end] = share(N, 16, tid, nt);
+      if (begin >= end) return;
+      if (qtypes[i] == F32) {
+        dense_range(xi, T, K, static_cast<const float*>(wp[i]), begin, end, y, N);
+      } else {
+        prepare_packed(in, xi, T, K, qtypes[i]);
+        packed_range(in, static_cast<const uint8_t*>(wp[i]), weights[i].stride(0), qtypes[i], K, begin, end, y, N);
+      }
+      if (bp[i])
+        for (int64_t t = 0; t < T; t++)
+          for (int64_t n = begin; n < end; n++) y[t * N + n] += bp[i][n];
+    };
+    keep(0, hp);
+    rms_norm_rows(res, nullptr, np[0], eps, x, 0, T, H);
+    for (size_t l = 0; l < layers; l++) {
+      if (l > 0) {
+        rms_norm_rows(mlp, res, np[2 * l], eps, x, 0, T, H);
+        keep(l, res);
+      }
+      linear(4 * l, x, qkv);
+      sync();
+      if (tid == 0) a.rope(qkv, kc[l], vc[l]);
+      sync();
+      const auto [u0, u1] = share(a.units(), a.grain(), tid, nt);
+      if (u0 < u1) a.attend(qkv, kc[l], vc[l], u0, u1, attn);
+      sync();
+      linear(4 * l + 1, attn, o);
+      sync();
+      rms_norm_rows(o, res, np[2 * l + 1], eps, x, 0, T, H);
+      linear(4 * l + 2, x, gu);
+      sync();
+      const auto [c0, c1] = share(I, 256, tid, nt);
+      if (c0 < c1) silu_mul_rows(gu, I, 0, T, c0, c1, act);
+      sync();
+      linear(4 * l + 3, act, mlp);
+      sync();
+    }
+    if (tid == 0) {
+      rms_norm_rows(mlp, res, np[2 * layers], eps, op, 0, T, H);
+      keep(layers, op);
+      std::memcpy(hp, res, T * H * sizeof(float));  // h ends as op by op leaves it: the residual stream
+    }
+  };
+#ifdef _OPENMP
+  if (at::get_num_threads() > 1 && !at::in_parallel_region()) {
+#pragma omp parallel
+    run(omp_get_thread_num(), omp_get_num_threads());
+    region_runs++;
+    return out;
+  }
+#endif
+  run(0, 1);
+  region_runs++;
+  return out;
 }
 
 }  // namespace
@@ -47,6 +207,11 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<torch::Tensor>& w
     for (size_t c = 0; c < capture.size(); c++)
       if (capture[c] == static_cast<int64_t>(l)) captured.narrow(1, c * H, H).copy_(stream);
   };
+  const Attention a = attention_args(cos_sin, k_caches[0], v_caches[0], write_index, positions, read_slots, n_heads,
+                                     n_kv_heads, scale);
+  torch::Tensor one = layers_in_one_region(h, weights, qtypes, biases, norms, k_caches, v_caches, a, eps, capture,
+                                           captured);
+  if (one.defined()) return one;
   keep(0, h);
   torch::Tensor residual = h;
   torch::Tensor x = add_rms_norm(h, c10::nullopt, norms[0], eps), mlp;
@@ -268,6 +433,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rejection_sample_ref on probabilities: (tokens [num_reqs, K + 1], num_sampled [num_reqs])");
   m.def("rope_cache_attend", &rope_cache_attend, "RoPE, KV cache write and attention for short queries");
   m.def("decode_layers", &decode_layers, "every decoder layer over a short forward, in one call");
+  m.def("region_runs", [] { return region_runs; }, "decode_layers calls so far that ran in one parallel region");
   m.def("head_layer", &head_layer, "an EAGLE-3 head's forward over a short batch, in one call");
   m.def("head_greedy", &head_greedy, "an EAGLE-3 head's greedy drafting steps, in one call");
   m.def("head_sampled", &head_sampled, "an EAGLE-3 head's sampled drafting steps, in one call");

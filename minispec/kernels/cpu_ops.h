@@ -4,6 +4,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <vector>
+
 // GGML type ids (ggml.h) and the packed formats' blocks: the C++ twin of kernels/ggml.py's table
 // (tests/test_quant.py checks them equal). F32 also names a dense float32 weight (decode_layers' qtypes).
 constexpr int64_t F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30;
@@ -48,6 +50,23 @@ extern const bool PACKED_SPLIT;
 bool packed_amx();
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+// packed_linear and dense_linear by rows of the weight, for a caller that runs its own threads (decode_layers): the
+// work of one call split as (prepare_packed once, packed_range per share of the rows [begin, end) of out [M, N]).
+// Only where *_range_takes: packed_linear would take these paths (no AMX tiles, K whole blocks), dense_linear would
+// not hand the rows to at::linear. x [M, K] contiguous; out's columns [begin, end) get what the layer gives them.
+struct PackedInput {  // x and what packed_range reads beside it: per-group sums, rows in the split kernels' order
+  const float* x = nullptr;
+  int64_t M = 0, G = 0;
+  std::vector<float> sx, xs_buf;
+  const float* xs = nullptr;
+};
+bool packed_range_takes(int64_t qtype, int64_t M, int64_t K);
+void prepare_packed(PackedInput& in, const float* x, int64_t M, int64_t K, int64_t qtype);
+void packed_range(const PackedInput& in, const uint8_t* wd, int64_t wstride, int64_t qtype, int64_t K, int64_t begin,
+                  int64_t end, float* out, int64_t N);
+bool dense_range_takes(int64_t M);
+void dense_range(const float* x, int64_t M, int64_t K, const float* w, int64_t begin, int64_t end, float* out,
+                 int64_t N);
 torch::Tensor packed_dequantize(torch::Tensor w, int64_t qtype, int64_t K);
 torch::Tensor packed_rows(torch::Tensor w, int64_t qtype, int64_t K, torch::Tensor ids);
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
@@ -63,3 +82,26 @@ std::vector<torch::Tensor> rejection_sample_probs(torch::Tensor p, torch::Tensor
 torch::Tensor rope_cache_attend(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor k_cache,
                                 torch::Tensor v_cache, torch::Tensor write_index, torch::Tensor positions,
                                 torch::Tensor read_slots, int64_t n_heads, int64_t n_kv_heads, double scale);
+
+// The small ops by parts, for decode_layers' threads: add_rms_norm over rows [begin, end) (residual may be null),
+// silu_mul over rows [begin, end) and columns [c0, c1) of out [N, I], rope_cache_attend as its checked arguments, the
+// rotation of every token and the attention by units (Attention::units, at least grain a share): the same floats.
+void rms_norm_rows(const float* x, float* residual, const float* weight, double eps, float* out, int64_t begin,
+                   int64_t end, int64_t H);
+void silu_mul_rows(const float* gate_up, int64_t I, int64_t begin, int64_t end, int64_t c0, int64_t c1, float* out);
+struct Attention {
+  int64_t T, B, L, hd, max_len, slots, kv_row, width, n_heads, n_kv_heads, g, max_keys;
+  const float* cs;
+  const int64_t *wi, *pos, *rs;
+  float scale;
+  bool grouped;  // a unit is one token's KV head with its query heads (AVX2), else one query head
+  int64_t units() const;
+  int64_t grain() const;
+  void rope(float* qkv, float* k_cache, float* v_cache) const;  // every token, in order
+  void attend(const float* qkv, const float* k_cache, const float* v_cache, int64_t begin, int64_t end,
+              float* out) const;
+};
+// Checks rope_cache_attend's arguments but qkv (its sizes: Attention::T and ::width); caches of these sizes take them.
+Attention attention_args(const torch::Tensor& cos_sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                         const torch::Tensor& write_index, const torch::Tensor& positions,
+                         const torch::Tensor& read_slots, int64_t n_heads, int64_t n_kv_heads, double scale);

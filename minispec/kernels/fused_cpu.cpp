@@ -169,20 +169,23 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
   const float* xp = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, grain(H), [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const float* src = xp + n * H;
-      if (res) {
-        float* r = res + n * H;
-        for (int64_t i = 0; i < H; ++i) r[i] += src[i];
-        src = r;
-      }
-      const float inv = 1.0f / std::sqrt(dot(src, src, H) / static_cast<float>(H) + static_cast<float>(eps));
-      float* o = op + n * H;
-      for (int64_t i = 0; i < H; ++i) o[i] = src[i] * inv * w[i];
-    }
-  });
+  at::parallel_for(0, N, grain(H), [&](int64_t begin, int64_t end) { rms_norm_rows(xp, res, w, eps, op, begin, end, H); });
   return out;
+}
+
+void rms_norm_rows(const float* x, float* residual, const float* weight, double eps, float* out, int64_t begin,
+                   int64_t end, int64_t H) {
+  for (int64_t n = begin; n < end; ++n) {
+    const float* src = x + n * H;
+    if (residual) {
+      float* r = residual + n * H;
+      for (int64_t i = 0; i < H; ++i) r[i] += src[i];
+      src = r;
+    }
+    const float inv = 1.0f / std::sqrt(dot(src, src, H) / static_cast<float>(H) + static_cast<float>(eps));
+    float* o = out + n * H;
+    for (int64_t i = 0; i < H; ++i) o[i] = src[i] * inv * weight[i];
+  }
 }
 
 // logits [N, V] -> (tokens [N] int64, finite [N] bool): each row's argmax, the first index on ties, NaN
@@ -511,15 +514,17 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto out = torch::empty(sizes, gate_up.options());
   const float* gu = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, grain(I2), [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const float* g = gu + n * I2;
-      const float* u = g + I;
-      float* o = op + n * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
-    }
-  });
+  at::parallel_for(0, N, grain(I2), [&](int64_t begin, int64_t end) { silu_mul_rows(gu, I, begin, end, 0, I, op); });
   return out;
+}
+
+void silu_mul_rows(const float* gate_up, int64_t I, int64_t begin, int64_t end, int64_t c0, int64_t c1, float* out) {
+  for (int64_t n = begin; n < end; ++n) {
+    const float* g = gate_up + n * 2 * I;
+    const float* u = g + I;
+    float* o = out + n * I;
+    for (int64_t i = c0; i < c1; ++i) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+  }
 }
 
 // One layer's attention for short queries, in one call:
@@ -536,28 +541,75 @@ torch::Tensor rope_cache_attend(torch::Tensor qkv, torch::Tensor cos_sin, torch:
                                 torch::Tensor v_cache, torch::Tensor write_index, torch::Tensor positions,
                                 torch::Tensor read_slots, int64_t n_heads, int64_t n_kv_heads, double scale) {
   check_f32(qkv, "qkv");
+  const Attention a = attention_args(cos_sin, k_cache, v_cache, write_index, positions, read_slots, n_heads,
+                                     n_kv_heads, scale);
+  TORCH_CHECK(qkv.numel() == a.T * a.width, "qkv has the wrong size");
+  float* q = qkv.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  a.rope(q, kc, vc);
+  auto out = torch::empty({a.T, n_heads * a.hd}, qkv.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, a.units(), a.grain(), [&](int64_t begin, int64_t end) { a.attend(q, kc, vc, begin, end, op); });
+  return out;
+}
+
+Attention attention_args(const torch::Tensor& cos_sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                         const torch::Tensor& write_index, const torch::Tensor& positions,
+                         const torch::Tensor& read_slots, int64_t n_heads, int64_t n_kv_heads, double scale) {
   check_f32(cos_sin, "cos_sin");
   check_f32(k_cache, "k_cache");
   check_f32(v_cache, "v_cache");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.dim() == 4, "k_cache and v_cache must be the same [S, L, h, d]");
   for (const auto* t : {&write_index, &positions, &read_slots})
     TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->device().is_cpu(),
                 "indices must be contiguous int64 CPU tensors");
-  const int64_t hd = k_cache.size(3), max_len = k_cache.size(1), rows = k_cache.size(0) * max_len;
-  const int64_t T = positions.numel(), B = read_slots.numel(), g = n_heads / n_kv_heads;
-  const int64_t width = (n_heads + 2 * n_kv_heads) * hd, kv_row = n_kv_heads * hd, half = hd / 2;
-  TORCH_CHECK(B > 0 && T % B == 0 && write_index.numel() == T, "T must be a multiple of B");
-  TORCH_CHECK(k_cache.size(2) == n_kv_heads && n_heads % n_kv_heads == 0 && hd % 2 == 0, "bad head counts");
-  TORCH_CHECK(qkv.numel() == T * width && cos_sin.numel() == T * hd, "qkv or cos_sin has the wrong size");
-  const int64_t L = T / B;
-  float* q = qkv.data_ptr<float>();
-  const float* cs = cos_sin.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const int64_t* wi = write_index.data_ptr<int64_t>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* rs = read_slots.data_ptr<int64_t>();
+  Attention a;
+  a.hd = k_cache.size(3);
+  a.max_len = k_cache.size(1);
+  a.slots = k_cache.size(0);
+  a.T = positions.numel();
+  a.B = read_slots.numel();
+  TORCH_CHECK(a.B > 0 && a.T % a.B == 0 && write_index.numel() == a.T, "T must be a multiple of B");
+  TORCH_CHECK(n_kv_heads > 0 && k_cache.size(2) == n_kv_heads && n_heads % n_kv_heads == 0 && a.hd % 2 == 0,
+              "bad head counts");
+  TORCH_CHECK(cos_sin.numel() == a.T * a.hd, "cos_sin has the wrong size");
+  a.L = a.T / a.B;
+  a.n_heads = n_heads;
+  a.n_kv_heads = n_kv_heads;
+  a.g = n_heads / n_kv_heads;
+  a.width = (n_heads + 2 * n_kv_heads) * a.hd;
+  a.kv_row = n_kv_heads * a.hd;
+  a.cs = cos_sin.data_ptr<float>();
+  a.wi = write_index.data_ptr<int64_t>();
+  a.pos = positions.data_ptr<int64_t>();
+  a.rs = read_slots.data_ptr<int64_t>();
+  a.scale = static_cast<float>(scale);
+  const int64_t rows = a.slots * a.max_len;
+  a.max_keys = 1;
+  for (int64_t t = 0; t < a.T; ++t) {
+    TORCH_CHECK(a.wi[t] >= 0 && a.wi[t] < rows, "write_index out of range");
+    TORCH_CHECK(a.pos[t] >= 0 && a.pos[t] < a.max_len, "position out of range");
+    a.max_keys = std::max(a.max_keys, a.pos[t] + 1);
+  }
+  for (int64_t b = 0; b < a.B; ++b) TORCH_CHECK(a.rs[b] >= 0 && a.rs[b] < a.slots, "read slot out of range");
+#ifdef MS_AVX2
+  a.grouped = a.hd % 8 == 0;
+#else
+  a.grouped = false;
+#endif
+  return a;
+}
+
+int64_t Attention::units() const { return grouped ? T * n_kv_heads : T * n_heads; }
+
+int64_t Attention::grain() const {
+  return std::max<int64_t>(1, 32768 / ((grouped ? g : 1) * max_keys * hd));
+}
+
+void Attention::rope(float* q, float* kc, float* vc) const {
+  const int64_t half = hd / 2;
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(wi[t] >= 0 && wi[t] < rows, "write_index out of range");
     float* row = q + t * width;
     const float* c = cs + t * hd;
     float* k_dst = kc + wi[t] * kv_row;
@@ -572,48 +624,36 @@ torch::Tensor rope_cache_attend(torch::Tensor qkv, torch::Tensor cos_sin, torch:
     }
     std::memcpy(vc + wi[t] * kv_row, row + (n_heads + n_kv_heads) * hd, kv_row * sizeof(float));
   }
-  auto out = torch::empty({T, n_heads * hd}, qkv.options());
-  float* op = out.data_ptr<float>();
-  int64_t max_keys = 1;
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_len, "position out of range");
-    max_keys = std::max(max_keys, pos[t] + 1);
-  }
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rs[b] >= 0 && rs[b] < k_cache.size(0), "read slot out of range");
-  const float sc = static_cast<float>(scale);
+}
+
+void Attention::attend(const float* q, const float* kc, const float* vc, int64_t begin, int64_t end,
+                       float* op) const {
 #ifdef MS_AVX2
-  if (hd % 8 == 0) {  // one unit = one token's KV head and its g query heads, up to 4 of them a pass
-    const int64_t units = T * n_kv_heads;
-    at::parallel_for(0, units, std::max<int64_t>(1, 32768 / (g * max_keys * hd)), [&](int64_t begin, int64_t end) {
-      std::vector<float> p(std::min<int64_t>(g, 4) * max_keys);
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t t = u / n_kv_heads, kvh = u % n_kv_heads;
-        const int64_t base = (rs[t / L] * max_len) * kv_row + kvh * hd;
-        for (int64_t h0 = kvh * g; h0 < (kvh + 1) * g; h0 += 4) {
-          const float* qg = q + t * width + h0 * hd;
-          float* og = op + t * n_heads * hd + h0 * hd;
-          switch (std::min<int64_t>(4, (kvh + 1) * g - h0)) {
-            case 1: attend_group<1>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og); break;
-            case 2: attend_group<2>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og); break;
-            case 3: attend_group<3>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og); break;
-            default: attend_group<4>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(), og);
-          }
+  if (grouped) {  // one unit = one token's KV head and its g query heads, up to 4 of them a pass
+    std::vector<float> p(std::min<int64_t>(g, 4) * max_keys);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t t = u / n_kv_heads, kvh = u % n_kv_heads;
+      const int64_t base = (rs[t / L] * max_len) * kv_row + kvh * hd;
+      for (int64_t h0 = kvh * g; h0 < (kvh + 1) * g; h0 += 4) {
+        const float* qg = q + t * width + h0 * hd;
+        float* og = op + t * n_heads * hd + h0 * hd;
+        switch (std::min<int64_t>(4, (kvh + 1) * g - h0)) {
+          case 1: attend_group<1>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, scale, p.data(), og); break;
+          case 2: attend_group<2>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, scale, p.data(), og); break;
+          case 3: attend_group<3>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, scale, p.data(), og); break;
+          default: attend_group<4>(qg, kc + base, vc + base, kv_row, pos[t] + 1, hd, scale, p.data(), og);
         }
       }
-    });
-    return out;
+    }
+    return;
   }
 #endif
   // The portable path: one unit = one token's query head (over its KV head h / g).
-  const int64_t units = T * n_heads, unit_work = max_keys * hd;
-  at::parallel_for(0, units, std::max<int64_t>(1, 32768 / unit_work), [&](int64_t begin, int64_t end) {
-    std::vector<float> p(max_keys);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t t = u / n_heads, h = u % n_heads, kvh = h / g;
-      const int64_t base = (rs[t / L] * max_len) * kv_row + kvh * hd;
-      attend_head(q + t * width + h * hd, kc + base, vc + base, kv_row, pos[t] + 1, hd, sc, p.data(),
-                  op + t * n_heads * hd + h * hd);
-    }
-  });
-  return out;
+  std::vector<float> p(max_keys);
+  for (int64_t u = begin; u < end; ++u) {
+    const int64_t t = u / n_heads, h = u % n_heads, kvh = h / g;
+    const int64_t base = (rs[t / L] * max_len) * kv_row + kvh * hd;
+    attend_head(q + t * width + h * hd, kc + base, vc + base, kv_row, pos[t] + 1, hd, scale, p.data(),
+                op + t * n_heads * hd + h * hd);
+  }
 }

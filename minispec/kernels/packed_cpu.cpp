@@ -1204,9 +1204,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
               "packed_linear: w must be [N, row_bytes] uint8");
   TORCH_CHECK(w.stride(1) == 1, "packed_linear: w rows must be contiguous");
   const int64_t M = x.size(0), N = w.size(0), G = (K + GROUP - 1) / GROUP, Kp = G * GROUP;
-  const bool has_min = file_type(qtype) == Q4_1;
-  // Activations zero-padded to whole groups (F16 / BF16 rows of any width; block rows are whole
-  // groups already) and, for Q4_1's minima, per-group sums of x.
+  // Activations zero-padded to whole groups (F16 / BF16 rows of any width; block rows are whole groups already).
   auto xpad = K == Kp ? x.contiguous() : torch::zeros({M, Kp}, x.options());
   if (K != Kp) xpad.narrow(1, 0, K).copy_(x);
   const float* xd = xpad.data_ptr<float>();
@@ -1229,6 +1227,31 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
       return out;
   }
 #endif
+  PackedInput in;
+  prepare_packed(in, xd, M, K, qtype);
+  auto out = torch::empty({M, N}, x.options());
+  const uint8_t* wd = w.data_ptr<uint8_t>();
+  float* od = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    packed_range(in, wd, w.stride(0), qtype, K, begin, end, od, N);
+  });
+  return out;
+}
+
+bool packed_range_takes(int64_t qtype, int64_t M, int64_t K) {
+  if (block_format(qtype).type == -1 || tiled(qtype) || K % GROUP != 0) return false;
+#if defined(MS_AMX)
+  if (M >= AMX_MIN_ROWS && amx_ready()) return false;
+#endif
+  return M >= 1;
+}
+
+void prepare_packed(PackedInput& in, const float* x, int64_t M, int64_t K, int64_t qtype) {
+  // per-group sums of x for Q4_1's minima and the split kernels
+  const int64_t G = (K + GROUP - 1) / GROUP;
+  in.x = x;
+  in.M = M;
+  in.G = G;
   // Up to SPLIT_MAX_ROWS rows of x against split rows: tile_dot_split (AVX-512) or split_dot_256 (AVX2), which also
   // take Q4_0's -8 d through sx.
 #if defined(MS_AVX2)
@@ -1238,48 +1261,47 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, int
   const bool split_row = false;
   const int64_t ldxp = 0;
 #endif
-  std::vector<float> sx(has_min || split_row ? M * G : 0);  // [M, G]
-  for (int64_t i = 0; i < (int64_t)sx.size(); i++) {
+  in.sx.resize(file_type(qtype) == Q4_1 || split_row ? M * G : 0);  // [M, G]
+  for (int64_t i = 0; i < (int64_t)in.sx.size(); i++) {
     float s = 0.0f;
-    for (int j = 0; j < GROUP; j++) s += xd[i * GROUP + j];
-    sx[i] = s;
+    for (int j = 0; j < GROUP; j++) s += x[i * GROUP + j];
+    in.sx[i] = s;
   }
-  const float* sxd = sx.data();
-  // that row in split_order, 64-byte aligned (its 512-bit loads then never cross a cache line)
-  std::vector<float> xs_buf(split_row ? M * ldxp + 16 : 0);
-  float* xs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xs_buf.data()) + 63) & ~uintptr_t(63));
+  // each row in split_order, 64-byte aligned (its 512-bit loads then never cross a cache line)
+  in.xs_buf.resize(split_row ? M * ldxp + 16 : 0);
+  float* xs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(in.xs_buf.data()) + 63) & ~uintptr_t(63));
 #if defined(MS_AVX2)
   if (split_row)
-    for (int64_t r = 0; r < M; r++) split_order(xd + r * Kp, G, xs + r * ldxp);
+    for (int64_t r = 0; r < M; r++) split_order(x + r * G * GROUP, G, xs + r * ldxp);
 #endif
-  auto out = torch::empty({M, N}, x.options());
-  const uint8_t* wd = w.data_ptr<uint8_t>();
-  const int64_t wstride = w.stride(0);
-  float* od = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-#if defined(MS_AVX512)
-    if (with_block_type(qtype, [&](auto qt) { block_rows_512<qt()>(wd, wstride, begin, end, G, xd, M, sxd, xs, od, N); }))
-      return;
-#elif defined(MS_AVX2)
-    if (with_block_type(qtype, [&](auto qt) { block_rows<qt()>(wd, wstride, begin, end, G, xd, M, sxd, xs, od, N); }))
-      return;
-#endif
-    for_unpacked_rows(qtype, wd, wstride, begin, end, K, [&](int64_t n, const float* wf, const float* d, const float* m) {
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) dot_rows<4>(wf, d, G, xd + r * Kp, Kp, od + r * N + n, N);
-      for (; r < M; r++) dot_rows<1>(wf, d, G, xd + r * Kp, Kp, od + r * N + n, N);
-      if (has_min) {
-        for (int64_t r2 = 0; r2 < M; r2++) {
-          float s = 0.0f;
-          for (int64_t g = 0; g < G; g++) s += m[g] * sxd[r2 * G + g];
-          od[r2 * N + n] += s;
-        }
-      }
-    });
-  });
-  return out;
+  in.xs = xs;
 }
 
+void packed_range(const PackedInput& in, const uint8_t* wd, int64_t wstride, int64_t qtype, int64_t K, int64_t begin,
+                  int64_t end, float* od, int64_t N) {
+  const float *xd = in.x, *sxd = in.sx.data(), *xs = in.xs;
+  const int64_t M = in.M, G = in.G, Kp = G * GROUP;
+#if defined(MS_AVX512)
+  if (with_block_type(qtype, [&](auto qt) { block_rows_512<qt()>(wd, wstride, begin, end, G, xd, M, sxd, xs, od, N); }))
+    return;
+#elif defined(MS_AVX2)
+  if (with_block_type(qtype, [&](auto qt) { block_rows<qt()>(wd, wstride, begin, end, G, xd, M, sxd, xs, od, N); }))
+    return;
+#endif
+  const bool has_min = file_type(qtype) == Q4_1;
+  for_unpacked_rows(qtype, wd, wstride, begin, end, K, [&](int64_t n, const float* wf, const float* d, const float* m) {
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) dot_rows<4>(wf, d, G, xd + r * Kp, Kp, od + r * N + n, N);
+    for (; r < M; r++) dot_rows<1>(wf, d, G, xd + r * Kp, Kp, od + r * N + n, N);
+    if (has_min) {
+      for (int64_t r2 = 0; r2 < M; r2++) {
+        float s = 0.0f;
+        for (int64_t g = 0; g < G; g++) s += m[g] * sxd[r2 * G + g];
+        od[r2 * N + n] += s;
+      }
+    }
+  });
+}
 
 // Rows up to which dense_linear streams the weight itself (past them a GEMM wins on cache-resident layer weights).
 constexpr int64_t DENSE_MAX_ROWS = 16;
@@ -1292,28 +1314,41 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.scalar_type() == torch::kFloat &&
                   w.scalar_type() == torch::kFloat, "dense_linear: x [M, K] and w [N, K] must be float32");
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-#ifdef MS_AVX2
-  if (M >= 1 && M <= DENSE_MAX_ROWS && w.is_contiguous()) {
+  if (dense_range_takes(M) && w.is_contiguous()) {
     auto xc = x.contiguous();
     auto out = torch::empty({M, N}, x.options());
     const float *xd = xc.data_ptr<float>(), *wd = w.data_ptr<float>();
     float* od = out.data_ptr<float>();
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; n++) {
-        const float* row = wd + n * K;
-        int64_t r = 0;
-        for (; r + 4 <= M; r += 4) dense_row_dot<4>(row, K, xd + r * K, K, od + r * N + n, N);
-        switch (M - r) {
-          case 3: dense_row_dot<3>(row, K, xd + r * K, K, od + r * N + n, N); break;
-          case 2: dense_row_dot<2>(row, K, xd + r * K, K, od + r * N + n, N); break;
-          case 1: dense_row_dot<1>(row, K, xd + r * K, K, od + r * N + n, N); break;
-        }
-      }
-    });
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) { dense_range(xd, M, K, wd, begin, end, od, N); });
     return bias.has_value() ? out.add_(*bias) : out;
   }
-#endif
   return at::linear(x, w, bias);
+}
+
+bool dense_range_takes(int64_t M) {
+#ifdef MS_AVX2
+  return M >= 1 && M <= DENSE_MAX_ROWS;
+#else
+  return false;
+#endif
+}
+
+void dense_range(const float* xd, int64_t M, int64_t K, const float* wd, int64_t begin, int64_t end, float* od,
+                 int64_t N) {
+#ifdef MS_AVX2
+  for (int64_t n = begin; n < end; n++) {
+    const float* row = wd + n * K;
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) dense_row_dot<4>(row, K, xd + r * K, K, od + r * N + n, N);
+    switch (M - r) {
+      case 3: dense_row_dot<3>(row, K, xd + r * K, K, od + r * N + n, N); break;
+      case 2: dense_row_dot<2>(row, K, xd + r * K, K, od + r * N + n, N); break;
+      case 1: dense_row_dot<1>(row, K, xd + r * K, K, od + r * N + n, N); break;
+    }
+  }
+#else
+  TORCH_CHECK(false, "dense_range: an AVX2 build's");
+#endif
 }
 
 // w [N, row_bytes] uint8 -> [N, K] float32: d * q + m per value, as gguf's dequantisation computes it.
