@@ -10,10 +10,13 @@ Variants: default (LLM()), target (draft=None), capture (the default's head atta
 capturing its states), k1 .. k4 (the head at a fixed k; k2@int4 with the head at int4).
 "default:prior_weight=8,probe_every=16" is the default with those attributes of its k policy (AdaptiveK) or proposer
 set after it is built; "k4:min_confidence=0.3" the head at k = 4 with that proposer attribute.
+"target|MINISPEC_LAYERS_OP_BY_OP=1" runs that variant with those environment variables set (the kernels' switches).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
 
@@ -28,6 +31,7 @@ from minispec.sampling_params import SamplingParams
 def build(name: str, target, b: int) -> LLM:
     """The LLM a variant names, over the loaded target; settings after ':' set attributes of its k policy or
     proposer."""
+    name, _, _env = name.partition("|")
     base, _, settings = name.partition(":")
     k, _, quant = base.partition("@")
     if k.startswith("default"):  # default6: num_speculative_tokens = 6; default@int4: the auto head at int4
@@ -49,6 +53,22 @@ def build(name: str, target, b: int) -> LLM:
             raise SystemExit(f"{name}: neither the k policy nor the proposer has an attribute {key!r}")
         setattr(owner, key, None if value == "None" else int(value) if value.isdigit() else float(value))
     return llm
+
+
+@contextlib.contextmanager
+def environment(settings: str):
+    """Environment variables "A=1,B=0" set for the block, then restored."""
+    pairs = [item.split("=", 1) for item in filter(None, settings.split(","))]
+    old = {key: os.environ.get(key) for key, _ in pairs}
+    os.environ.update(dict(pairs))
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def main() -> None:
@@ -79,9 +99,10 @@ def main() -> None:
     for r in range(args.rounds):
         line = []
         for n in names if r % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
-            outs = llms[n].generate(prompts, params, use_chat_template=True)
-            dt = time.perf_counter() - t0
+            with environment(n.partition("|")[2]):
+                t0 = time.perf_counter()
+                outs = llms[n].generate(prompts, params, use_chat_template=True)
+                dt = time.perf_counter() - t0
             rates[n].append(sum(len(o.token_ids) for o in outs) / dt)
             line.append(f"{n} {rates[n][-1]:.1f}")
         print(f"round {r + 1}: " + ", ".join(line) + " tok/s", flush=True)
