@@ -179,6 +179,9 @@ MUTANTS = [
     Mutant("head_sampled: the coupled rows raced with the first step's noise at every step",
            "minispec/kernels/cpu_ops.cpp", "noise.select(0, j).contiguous()", "noise.select(0, 0).contiguous()",
            ("tests/test_head.py", "-k", "sampled_steps")),
+    Mutant("the draft logits of greedy batches left unwritten even when beta is recorded", "minispec/engine/engine.py",
+           "cache.greedy_rows_read = self.observer.record_beta", "cache.greedy_rows_read = False",
+           ("tests/test_head.py", "-k", "unwritten")),
     # ---- decode_layers in one parallel region (kernels/cpu_ops.cpp; each mutant rebuilds the C++ extension)
     Mutant("one region: each thread's share of silu's columns one short", "minispec/kernels/cpu_ops.cpp",
            "if (c0 < c1) silu_mul_rows(gu, I, 0, T, c0, c1, act);",

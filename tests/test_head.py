@@ -113,6 +113,7 @@ class Recorder(HeadProposer):
 
     def propose(self, reqs, cache, num_steps=None):
         contexts = [list(r.token_ids) for r in reqs]
+        cache.greedy_rows_read = True  # this recorder reads them (a greedy batch's rows are otherwise left unwritten)
         drafts = super().propose(reqs, cache, num_steps)
         slots = torch.tensor([r.slot for r in reqs])
         for i, r in enumerate(reqs):
@@ -143,6 +144,39 @@ def test_proposals_are_the_head_on_the_accepted_context(target, version, draft_v
         finite = torch.isfinite(want)
         assert torch.equal(finite, torch.isfinite(got))
         torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_greedy_batches_leave_the_draft_logits_unwritten_unless_beta_is_recorded(target, fused):
+    """A greedy batch's verification compares tokens, so the head writes no draft logits (the cache keeps its fill)
+    unless the observer records beta; then it writes them, one beta (0 or 1) per draft. Greedy output equals the
+    target's alone either way."""
+    from minispec.engine.observer import Observer
+
+    class Recorder(Observer):
+        record_beta = True
+
+        def __init__(self):
+            self.betas = []
+
+        def on_verify(self, reqs, betas):
+            self.betas += [b for bs in betas for b in bs]
+
+    head = make_tiny_head(target.config, version=3, draft_vocab_size=100, seed=2)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [10, 11, 12], list(range(20, 40))]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(target, draft=None).generate(prompts, sp)]
+    rec = Recorder()
+    for observer in (None, rec):
+        llm = LLM(target, draft=head, num_speculative_tokens=3, max_num_seqs=4, observer=observer)
+        llm.engine.proposer.fused_greedy = fused
+        outs = llm.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == ref
+        written = bool((llm.engine.draft_logits.values != 0).any())
+        assert written == (observer is not None)
+    accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
+    assert len(rec.betas) == sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+    assert set(rec.betas) <= {0.0, 1.0} and sum(b == 1.0 for b in rec.betas) >= accepted
 
 
 @pytest.mark.parametrize("fused", [True, False])

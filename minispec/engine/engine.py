@@ -443,6 +443,7 @@ class Engine:
         cache = self.draft_logits
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
         cache.assign(torch.from_numpy(slots).to(self.device), slots)
+        cache.greedy_rows_read = self.observer.record_beta
         drafts = self.proposer.propose(reqs, cache, max(ks))  # [num_reqs, max(ks)]
         for r, d, k in zip(reqs, drafts, ks):
             drafted = np.flatnonzero(d[:k] >= 0)  # trailing -1s cost rows and give nothing

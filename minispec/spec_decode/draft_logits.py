@@ -183,6 +183,9 @@ class DraftLogitsCache:
             # [num_rows] the slot last drafted into each row of this rank, -1 if none.
             self.inverse_row_mapping = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
         self.num_rows = num_rows
+        # Whether the next verification reads greedy requests' rows (only to record beta: greedy verification
+        # compares tokens); the engine sets it before each draft step, and a proposer may skip writing them when not.
+        self.greedy_rows_read = True
         # [num_rows, num_steps, vocab_size]; read and written through read / write / write_one_hot only
         self.values = torch.full((num_rows, num_steps, vocab_size), fill, dtype=dtype, device=device)
 

@@ -53,6 +53,7 @@ class HeadRunner:
         self.identity_vocab = bool((self.draft_ids == torch.arange(target_model.vocab_size, device=device)).all()) \
             if cfg.draft_vocab_size == target_model.vocab_size else False
         self.forward_s = 0.0
+        self._no_later: dict[int, tuple] = {}  # batch size -> _steps_args' later-step arguments at num_steps = 1
 
     def _batch(self, slots: list[int], starts: list[int], tokens: list[list[int]], features: list[torch.Tensor]):
         """(slot order, ForwardBatch, attention metadata, features [B * L, F] in slot order) of a forward."""
@@ -117,15 +118,19 @@ class HeadRunner:
         if not (meta.fused and (args := self.cpu_args())):
             return None
         B, cfg = len(order), self.cfg
-        last = batch.positions.view(-1).index_select(0, batch.last).view(B, 1)  # [B, 1] each request's last position
-        positions = last + torch.arange(1, num_steps, device=self.device)  # [B, num_steps - 1]: the later steps'
-        write_index = positions + batch.read_slots.view(B, 1) * self.kv.k[0].shape[1]  # [B, num_steps - 1]
-        if num_steps > 1:
-            if (ctx := int(positions.max()) + 1) > self.max_len:
-                raise ValueError(f"context of {ctx} tokens exceeds the head's KV cache of {self.max_len}")
-            cos_sin = torch.view_as_real(self.rotary(positions, ctx))  # [B, num_steps - 1, 1, head_dim / 2, 2]
-        else:
-            cos_sin = torch.empty(B, 0, 1, cfg.head_dim // 2, 2, device=self.device)
+        if num_steps == 1:  # no later steps (k = 1): empty arguments, built once per batch size
+            if (later := self._no_later.get(B)) is None:
+                later = self._no_later[B] = (torch.empty(B, 0, 1, cfg.head_dim // 2, 2, device=self.device),
+                                             torch.empty(B, 0, dtype=torch.int64, device=self.device),
+                                             torch.empty(B, 0, dtype=torch.int64, device=self.device))
+            return order, self._head_args(batch, meta, feats, args), later
+        last = np.array([starts[i] + len(tokens[i]) - 1 for i in order])  # [B] each request's last position
+        pos = last[:, None] + np.arange(1, num_steps)  # [B, num_steps - 1]: the later steps' positions
+        if (ctx := int(pos.max()) + 1) > self.max_len:
+            raise ValueError(f"context of {ctx} tokens exceeds the head's KV cache of {self.max_len}")
+        write = pos + np.array([slots[i] for i in order])[:, None] * self.kv.k[0].shape[1]  # [B, num_steps - 1]
+        positions, write_index = torch.from_numpy(np.stack([pos, write])).to(self.device)
+        cos_sin = torch.view_as_real(self.rotary(positions, ctx))  # [B, num_steps - 1, 1, head_dim / 2, 2]
         later = (cos_sin.contiguous(), positions.contiguous(), write_index.contiguous())
         return order, self._head_args(batch, meta, feats, args), later
 
@@ -318,6 +323,8 @@ class HeadProposer:
             r.num_draft_computed = n  # the proposal below writes entries < n; drafts are overwritten next time
 
         def write(j: int, logits: torch.Tensor) -> None:  # logits [num_reqs, (S,) draft_vocab] of steps j.. in our rows
+            if greedy and not cache.greedy_rows_read:  # nothing reads them: greedy verification compares tokens
+                return
             ours = logits if mine is None else logits[mine]
             if self.runner.identity_vocab:
                 cache.write(rows, j, ours)
