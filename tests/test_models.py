@@ -224,12 +224,9 @@ def test_smollm2_alias_matches_transformers(smollm2):
     assert ours[-1].argmax().item() == ref[-1].argmax().item()
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("kind", ["dense", "Q4_0", "Q4_1"])
-def test_decode_layers_one_region_equals_op_by_op(kind, threads, tmp_path, monkeypatch):
-    """decode_layers runs every layer in one parallel region (each thread a share of every op, barriers between):
-    torch.equal to its op-by-op path (each op its own threads) at 1, 2, 3 and 5 tokens of one request and 2 x 8, at
-    1, 2 and 3 threads: the output, the captured states, the residual stream left in h and the K / V caches."""
+def tiny_fused_model(kind: str, tmp_path):
+    """A tiny model (dense with biases, or a GGUF of qtype kind) whose layers decode_layers takes; skips without
+    the C++ kernels."""
     if kind == "dense":
         path = make_tiny_model_dir(tmp_path, attention_bias=True, mlp_bias=True, seed=4)
     else:
@@ -237,6 +234,16 @@ def test_decode_layers_one_region_equals_op_by_op(kind, threads, tmp_path, monke
     model = load_model(path, dtype=torch.float32, device="cpu").model
     if model.cpu_layers() is None:
         pytest.skip("the C++ CPU kernels could not be built")
+    return model
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["dense", "Q4_0", "Q4_1"])
+def test_decode_layers_one_region_equals_op_by_op(kind, threads, tmp_path, monkeypatch):
+    """decode_layers runs every layer in one parallel region (each thread a share of every op, barriers between):
+    torch.equal to its op-by-op path (each op its own threads) at 1, 2, 3 and 5 tokens of one request and 2 x 8, at
+    1, 2 and 3 threads: the output, the captured states, the residual stream left in h and the K / V caches."""
+    model = tiny_fused_model(kind, tmp_path)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -258,13 +265,7 @@ def test_decode_layers_equals_layer_by_layer(kind, fused_limit, tmp_path, monkey
     import minispec.layers.attention as attention_mod
     if fused_limit is not None:
         monkeypatch.setattr(attention_mod, "FUSED_MAX_TOKENS", fused_limit)
-    if kind == "dense":
-        path = make_tiny_model_dir(tmp_path, attention_bias=True, mlp_bias=True, seed=4)
-    else:
-        path = make_tiny_gguf(tmp_path / "tiny.gguf", qtype=kind, seed=4)
-    model = load_model(path, dtype=torch.float32, device="cpu").model
-    if model.cpu_layers() is None:
-        pytest.skip("the C++ CPU kernels could not be built")
+    model = tiny_fused_model(kind, tmp_path)
     runs = []
     model.capture_layers = (0, 1, model.num_layers)
     for one_call in (True, False):
