@@ -106,10 +106,7 @@ torch::Tensor layers_in_one_region(torch::Tensor h, const std::vector<torch::Ten
   float* cap = capture.empty() ? nullptr : captured.data_ptr<float>();
   const int64_t C = capture.size();
   auto run = [&](int tid, int nt) {
-    // this thread's residual stream and normed input, 64-byte aligned as torch's tensors (the kernels' loads of x
-    // then never cross a cache line)
-    std::vector<float> buf(2 * lines(T * H) + 16);
-    float* res = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    float* res = thread_scratch<float>(2 * lines(T * H));  // this thread's residual stream, then its normed input
     float* x = res + lines(T * H);
     std::memcpy(res, hp, T * H * sizeof(float));
     PackedInput in;
@@ -117,7 +114,8 @@ torch::Tensor layers_in_one_region(torch::Tensor h, const std::vector<torch::Ten
       if (nt > 1) barrier();
     };
     auto keep = [&](size_t l, const float* stream) {
-      for (int64_t c = 0; c < C && tid == 0; c++)
+      if (tid != 0) return;
+      for (int64_t c = 0; c < C; c++)
         if (capture[c] == static_cast<int64_t>(l))
           for (int64_t t = 0; t < T; t++) std::memcpy(cap + (t * C + c) * H, stream + t * H, H * sizeof(float));
     };

@@ -4,6 +4,7 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <vector>
 
 // GGML type ids (ggml.h) and the packed formats' blocks: the C++ twin of kernels/ggml.py's table
@@ -60,6 +61,15 @@ struct PackedInput {  // x and what packed_range reads beside it: per-group sums
   std::vector<float> sx, xs_buf;
   const float* xs = nullptr;
 };
+// n values of T, 64-byte aligned (a kernel's loads then never cross a cache line): the calling thread's scratch, one
+// per T, kept between calls (the AMX kernels' uint32 / uint16 operands, decode_layers' float residual streams).
+template <class T>
+T* thread_scratch(int64_t n) {
+  thread_local std::vector<T> buf;
+  const int64_t pad = 64 / sizeof(T);
+  if ((int64_t)buf.size() < n + pad) buf.resize(n + pad);
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+}
 bool packed_range_takes(int64_t qtype, int64_t M, int64_t K);
 void prepare_packed(PackedInput& in, const float* x, int64_t M, int64_t K, int64_t qtype);
 void packed_range(const PackedInput& in, const uint8_t* wd, int64_t wstride, int64_t qtype, int64_t K, int64_t begin,

@@ -934,15 +934,6 @@ void amx_groups(const uint8_t* wd, int64_t wstride, int64_t G, int64_t t0, int64
   _tile_release();
 }
 
-// n values of T, 64-byte aligned: the calling thread's scratch (one per T), kept between calls.
-template <class T>
-T* thread_scratch(int64_t n) {
-  thread_local std::vector<T> buf;
-  const int64_t pad = 64 / sizeof(T);
-  if ((int64_t)buf.size() < n + pad) buf.resize(n + pad);
-  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-}
-
 // out [M, N] = x [M, G * 32] (stride G * 32) against N packed rows (N a multiple of 16) through the tiles, 16 rows of x
 // at a time; false (out untouched) where amx_x_tiles refuses x.
 template <int64_t QT>
