@@ -215,6 +215,15 @@ MUTANTS = [
               "      for (int r = 0; r < RT; r++) mtail[r] += half_to_float(mins + 2 * g) * sx[r * G + g];",
               "      for (int r = 0; r < RT; r++) mtail[r] += 0.0f;")])
       ]),
+    # ---- AVX2's dequantised panels (9+ rows of x): only where the build is the AVX2 one (AVX-512 machines test them
+    # through the narrower build)
+    *([Mutant("AVX2 panel: an odd row of x past the last pair left out", "minispec/kernels/packed_cpu.cpp",
+              "    for (; r < M; r++) panel_dot<NT, 1>", "    for (; r < M - 1; r++) panel_dot<NT, 1>",
+              ("tests/test_quant.py", "-k", "packed_linear_equals_float32_layer and 17")),
+       Mutant("AVX2 panel: the weight rows past the last whole panel left out", "minispec/kernels/packed_cpu.cpp",
+              "  for (; n < end; n++) {\n    dequant_panel<QT>", "  for (; n < begin; n++) {\n    dequant_panel<QT>",
+              ("tests/test_quant.py", "-k", "packed_linear_equals_float32_layer and 16"))]
+      if "avx512f" not in open("/proc/cpuinfo").read() else []),
     # ---- the AMX tiles (packed_cpu.cpp: the tiled layout, others at 9+ rows of x): only where the CPU has them,
     # else their tests skip (the tiled layout's tile_rows mutant runs everywhere)
     *([Mutant("AMX: x's last bf16 limb dropped", "minispec/kernels/packed_cpu.cpp",

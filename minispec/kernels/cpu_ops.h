@@ -62,8 +62,9 @@ struct PackedInput {  // x and what packed_range reads beside it: per-group sums
   const float* xs = nullptr;
 };
 // n values of T, 64-byte aligned (a kernel's loads then never cross a cache line): the calling thread's scratch, one
-// per T, kept between calls (the AMX kernels' uint32 / uint16 operands, decode_layers' float residual streams).
-template <class T>
+// per T and slot, kept between calls (the AMX kernels' uint32 / uint16 operands, decode_layers' float residual
+// streams in slot 0, the AVX2 kernels' dequantised panels in slot 1).
+template <class T, int SLOT = 0>
 T* thread_scratch(int64_t n) {
   thread_local std::vector<T> buf;
   const int64_t pad = 64 / sizeof(T);
