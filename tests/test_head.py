@@ -213,7 +213,7 @@ def test_confidence_gate_cuts_where_the_heads_probability_falls(target, min_conf
 def fused_against_loop(target, prompts, params, method: str, min_confidence: float, **llm_kw) -> list[list[int]]:
     """One engine run with HeadRunner.`method` (a proposal's steps in one C++ call) and one with the proposer's loop,
     over the same tiny head: both give the same drafts and cached logits (bit for bit) in every proposal, the one call
-    ran (None only where a forward outgrows fused_max_tokens: 48 under AVX2) and never where it was off, and the gate
+    ran (None only where a forward outgrows fused_max_tokens: 96 under AVX2) and never where it was off, and the gate
     (if any) cut some drafts. Returns the fused run's output tokens, which must equal the loop's."""
     head = make_tiny_head(target.config, version=3, draft_vocab_size=100, seed=2)
     seen, outs, calls = {}, {}, []

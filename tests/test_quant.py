@@ -20,8 +20,9 @@ SPLIT = {"Q4_0 split": "Q4_0", "Q4_1 split": "Q4_1"}  # the memory-only layouts,
 TILES = {"Q4_0 tiles": "Q4_0", "Q4_1 tiles": "Q4_1"}  # ... in groups of 16 rows (n a multiple of 16)
 LAYOUTS = list(TYPES) + list(SPLIT)
 # Activation rows that reach each path of the C++ op: one row; AVX-512 tiles of 4 weight rows (2-5 rows of x),
-# of 2 (6-8), 8 and a remainder (9, 17), chunks of 64 rows of x (70); AVX2 tiles of 8 and 4; and, past the
-# packed op's limit (PACKED_MAX_ROWS: 48 or 256), the dequantised weight's GEMM.
+# of 2 (6-8), 8 and a remainder (9, 17), chunks of 64 rows of x (70); AVX2 tiles of 4-8, its dequantised panels
+# (9, 16, 17: pairs of rows of x and an odd one); and, past the packed op's limit (PACKED_MAX_ROWS: 48, 96 or 256), the
+# dequantised weight's GEMM.
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 70, 258]
 
 
