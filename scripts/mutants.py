@@ -179,6 +179,10 @@ MUTANTS = [
     Mutant("head_sampled: the coupled rows raced with the first step's noise at every step",
            "minispec/kernels/cpu_ops.cpp", "noise.select(0, j).contiguous()", "noise.select(0, 0).contiguous()",
            ("tests/test_head.py", "-k", "sampled_steps")),
+    Mutant("head_sampled: drafts drawn with mass outside the draft vocabulary, whose cached q is 0",
+           "minispec/kernels/cpu_ops.cpp", "full = torch::full({B, vocab}, -std::numeric_limits<float>::infinity(), "
+           "lj.options());", "full = torch::zeros({B, vocab}, lj.options());",
+           ("tests/test_lossless.py::test_head_sampling_matches_target_law",)),
     Mutant("the draft logits of greedy batches left unwritten even when beta is recorded", "minispec/engine/engine.py",
            "cache.greedy_rows_read = self.observer.record_beta", "cache.greedy_rows_read = False",
            ("tests/test_head.py", "-k", "unwritten")),
