@@ -446,7 +446,8 @@ void dequant_panel(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t en
 
 // RT rows of x (stride ldx) against NT dequantised rows (panel, stride Kp): out[r * ldo + j], one accumulator per
 // pair summed in block_row_dot's order at RT > 5 (the same floats). Each vector of x is loaded once for the NT rows
-// (block_row_dot loads it once per weight row: at 6 or more rows x outgrows L1 and those loads come from L2).
+// (block_row_dot loads it once per weight row, and x outgrows the 32 KB L1 past 8 rows at K = 576, from 6 at K = 1536:
+// those loads then come from L2).
 template <int NT, int RT>
 inline void panel_dot(const float* panel, int64_t Kp, const float* x, int64_t ldx, float* out, int64_t ldo) {
   __m256 acc[NT][RT];
