@@ -154,7 +154,11 @@ MUTANTS = [
            "                keep &= confidence * top >= self.min_confidence",
            "                keep &= confidence * probs[torch.arange(len(reqs)), torch.from_numpy(rows_j)].cpu().numpy()"
            " >= self.min_confidence",
-           ("tests/test_lossless.py", "-k", "head_sampling")),
+           ("tests/test_lossless.py::test_head_sampling_matches_target_law[T=1,loop]",)),
+    Mutant("head gate in C++ (head_sampled): a sampled draft cut for its own low probability (biases the draws)",
+           "minispec/kernels/cpu_ops.cpp", "        kp[b] = kp[b] && confidence[b] * tp[b] >= min_confidence;",
+           "        kp[b] = kp[b] && confidence[b] * op[b] >= min_confidence;",
+           ("tests/test_lossless.py::test_head_sampling_matches_target_law[T=1]",)),
     Mutant("head gate: each draft judged alone, not with the drafts before it", "minispec/spec_decode/head.py",
            "                keep &= confidence * top >= self.min_confidence", "                keep = top >= self.min_confidence",
            ("tests/test_head.py", "-k", "confidence_gate")),

@@ -250,40 +250,44 @@ def test_skips_and_stale_drafts_keep_the_target_law(engines, hf_models):
     assert 0.2 * drafted < stale < 0.8 * drafted and accepted > 0.1 * drafted
 
 
-HEAD_SETTINGS = [SETTINGS[0], SETTINGS[6]]
+# (name, settings, k, fused): T = 1 drafts through HeadRunner.sampled's one C++ call and through the Python loop
+HEAD_SETTINGS = [(*SETTINGS[0], True), (*SETTINGS[6], True), (*SETTINGS[0], False)]
+HEAD_IDS = ["T=1", SETTINGS[6][0], "T=1,loop"]
 
 
-@pytest.mark.parametrize("name, settings, k", HEAD_SETTINGS, ids=[s[0] for s in HEAD_SETTINGS])
-def test_head_sampling_matches_target_law(target_dir, hf_models, name, settings, k):
+@pytest.mark.parametrize("name, settings, k, fused", HEAD_SETTINGS, ids=HEAD_IDS)
+def test_head_sampling_matches_target_law(target_dir, hf_models, name, settings, k, fused):
     """An EAGLE-3 head drafting over 20 of the 32 tokens (q = 0 on the others) keeps the target's laws; at T = 1 it
-    stops drafting where its probability of the drafts falls below 0.1 (HeadProposer.min_confidence), and its
-    proposals run in one C++ call (HeadRunner.sampled: 16 requests x 6 prompt positions fit the fused forward) where
-    the build has one."""
+    stops drafting where its probability of the drafts falls below 0.1 (HeadProposer.min_confidence), through
+    HeadRunner.sampled's one C++ call (16 requests x 6 prompt positions fit the fused forward) where the build has one,
+    and through the Python loop (fused off)."""
     from minispec.layers.attention import fused_max_tokens
     from minispec.models.loader import load_model
     from minispec.tools.tiny import make_tiny_head
 
     target = load_model(target_dir, dtype=torch.float32, device=torch.device("cpu"))
     head = make_tiny_head(target.config, version=3, draft_vocab_size=20, seed=7)
-    idx = [s[0] for s in HEAD_SETTINGS].index(name)
+    idx = [s[:4] for s in HEAD_SETTINGS].index((name, settings, k, fused))
     llm = LLM(target, draft=head, num_speculative_tokens=k, max_num_seqs=16, max_num_batched_tokens=4096,
               seed=700_000_000 + 1_000_000 * idx)
-    gated = idx == 0
+    gated = name == "T=1"
     if gated:
         llm.engine.proposer.min_confidence = 0.1
-    runner, fused = llm.engine.proposer.runner, []
+    llm.engine.proposer.fused_sampled = fused
+    runner, ran = llm.engine.proposer.runner, []  # per HeadRunner.sampled call: whether it drafted
 
     def sampled(*args, run=runner.sampled):
         out = run(*args)
-        fused.append(out is not None)
+        ran.append(out is not None)
         return out
 
     runner.sampled = sampled
     exact = ExactLaws(*hf_models, SamplingParams(**settings))
     counts, outs = sample_counts(llm, settings)
-    check_marginals(f"head k={k} {name}" + (" gated" if gated else ""), counts, exact.target())
-    if gated and fused_max_tokens() >= 16 * len(PROMPT):  # T = 1: a plain softmax, HeadRunner.sampled's case
-        assert sum(fused) > 0.9 * len(fused) > 0
+    label = f"head k={k} {name}" + (" gated" if gated else "") + ("" if fused else " loop")
+    check_marginals(label, counts, exact.target())
+    if gated and fused and fused_max_tokens() >= 16 * len(PROMPT):  # T = 1: a plain softmax, HeadRunner.sampled's
+        assert sum(ran) > 0.9 * len(ran) > 0
     accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
     drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
     verifications = sum(o.metrics["num_spec_verifications"] for o in outs)
