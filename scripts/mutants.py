@@ -230,7 +230,11 @@ MUTANTS = [
               ("tests/test_quant.py", "-k", "packed_linear_equals_float32_layer and 17")),
        Mutant("AVX2 panel: the weight rows past the last whole panel left out", "minispec/kernels/packed_cpu.cpp",
               "  for (; n < end; n++) {\n    dequant_panel<QT>", "  for (; n < begin; n++) {\n    dequant_panel<QT>",
-              ("tests/test_quant.py", "-k", "packed_linear_equals_float32_layer and 16"))]
+              ("tests/test_quant.py", "-k", "packed_linear_equals_float32_layer and 16")),
+       Mutant("AVX2 panel: each part of k summed from zero (the parts before it dropped)",
+              "minispec/kernels/packed_cpu.cpp", "acc[j][r] = k0 == 0 ? _mm256_setzero_ps()",
+              "acc[j][r] = k0 >= 0 ? _mm256_setzero_ps()",
+              ("tests/test_quant.py", "-k", "packed_linear_equals_float32_layer and 1056"))]
       if "avx512f" not in open("/proc/cpuinfo").read() else []),
     # ---- the AMX tiles (packed_cpu.cpp: the tiled layout, others at 9+ rows of x): only where the CPU has them,
     # else their tests skip (the tiled layout's tile_rows mutant runs everywhere)

@@ -55,7 +55,8 @@ def test_dequantize_matches_gguf(name):
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-@pytest.mark.parametrize("n,k", [(37, 96), (5, 160), (9, 576), (32, 96)])  # 32: whole groups of 16 rows (AMX)
+# 32: whole groups of 16 rows (AMX); 1056: the AVX2 panels' k in parts of 512, the last 32 (PANEL_K)
+@pytest.mark.parametrize("n,k", [(37, 96), (5, 160), (9, 576), (32, 96), (7, 1056)])
 @pytest.mark.parametrize("rows", ROWS)
 def test_packed_linear_equals_float32_layer(name, n, k, rows):
     """Packed layer == F.linear over the dequantised weight, rel tol 1e-5 (summation order only)."""

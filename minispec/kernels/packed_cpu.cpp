@@ -444,22 +444,31 @@ void dequant_panel(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t en
   }
 }
 
-// RT rows of x (stride ldx) against NT dequantised rows (panel, stride Kp): out[r * ldo + j], one accumulator per
-// pair summed in block_row_dot's order at RT > 5 (the same floats). Each vector of x is loaded once for the NT rows
-// (block_row_dot loads it once per weight row, and x outgrows the 32 KB L1 past 8 rows at K = 576, from 6 at K = 1536:
-// those loads then come from L2).
+// RT rows of x (stride ldx) against NT dequantised rows (panel, stride Kp) over k in [k0, k1): the accumulators
+// start at zero (k0 == 0) or from acc_spill (NT * RT vectors) and end summed into out[r * ldo + j] (k1 == Kp) or in
+// acc. One accumulator per pair, in k order: block_row_dot's floats at RT > 5. Each vector of x is loaded once for the
+// NT rows (block_row_dot loads it once per weight row, and x outgrows the 32 KB L1 past 8 rows at K = 576, from 6 at
+// K = 1536: those loads then come from L2).
 template <int NT, int RT>
-inline void panel_dot(const float* panel, int64_t Kp, const float* x, int64_t ldx, float* out, int64_t ldo) {
+inline void panel_dot(const float* panel, int64_t Kp, int64_t k0, int64_t k1, const float* x, int64_t ldx,
+                      float* acc_spill, float* out, int64_t ldo) {
   __m256 acc[NT][RT];
   for (int j = 0; j < NT; j++)
-    for (int r = 0; r < RT; r++) acc[j][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < Kp; k += 8) {
+    for (int r = 0; r < RT; r++)
+      acc[j][r] = k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc_spill + 8 * (j * RT + r));
+  for (int64_t k = k0; k < k1; k += 8) {
     __m256 xv[RT];
     for (int r = 0; r < RT; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + k);
     for (int j = 0; j < NT; j++) {
-      const __m256 w = _mm256_load_ps(panel + j * Kp + k);
+      __m256 w = _mm256_load_ps(panel + j * Kp + k);
+      __asm__("" : "+x"(w));  // held in a register: GCC folds the load into each of the RT FMAs (RT loads, not 1)
       for (int r = 0; r < RT; r++) acc[j][r] = _mm256_fmadd_ps(w, xv[r], acc[j][r]);
     }
+  }
+  if (k1 < Kp) {
+    for (int j = 0; j < NT; j++)
+      for (int r = 0; r < RT; r++) _mm256_store_ps(acc_spill + 8 * (j * RT + r), acc[j][r]);
+    return;
   }
   for (int r = 0; r < RT; r++)
     for (int j = 0; j < NT; j++) out[r * ldo + j] = hsum(acc[j][r]);
@@ -467,19 +476,27 @@ inline void panel_dot(const float* panel, int64_t Kp, const float* x, int64_t ld
 
 // PANEL_ROWS weight rows at a time dequantised into a panel (the thread's scratch, slot 1), then every row of x against
 // it in tiles of PANEL_X rows: each block dequantised once for all M rows of x, each vector of x loaded once for the
-// panel's rows, every operand of the FMAs in a register (5 x 2 accumulators, 2 of x, 1 of w: 13 of the 16).
+// panel's rows, every operand of the FMAs in a register (5 x 2 accumulators, 2 of x, 1 of w: 13 of the 16). Past
+// PANEL_K columns the tiles run over PANEL_K at a time, their accumulators kept between (slot 2), so that the panel's
+// part stays in L1 beside x's (at K = 1536 the whole panel is 30 KB).
 // docs/experiments.md: ahead of block_row_dot's tiles of 8 from 10 rows of x on a Zen 3, even at 8, behind at 6.
 constexpr int PANEL_ROWS = 5, PANEL_X = 2;
+constexpr int64_t PANEL_K = 512;
 template <int64_t QT>
 void panel_rows(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t end, int64_t G, const float* x, int64_t M,
                 float* out, int64_t N) {
   const int64_t Kp = G * GROUP;
   float* panel = thread_scratch<float, 1>(PANEL_ROWS * Kp);
+  float* spill = thread_scratch<float, 2>(M * PANEL_ROWS * 8);  // each tile's accumulators between parts of k
   auto x_tiles = [&](auto nt, int64_t n) {
     constexpr int NT = decltype(nt)::value;
-    int64_t r = 0;
-    for (; r + PANEL_X <= M; r += PANEL_X) panel_dot<NT, PANEL_X>(panel, Kp, x + r * Kp, Kp, out + r * N + n, N);
-    for (; r < M; r++) panel_dot<NT, 1>(panel, Kp, x + r * Kp, Kp, out + r * N + n, N);
+    for (int64_t k0 = 0; k0 < Kp; k0 += PANEL_K) {
+      const int64_t k1 = std::min(Kp, k0 + PANEL_K);
+      int64_t r = 0;
+      for (; r + PANEL_X <= M; r += PANEL_X)
+        panel_dot<NT, PANEL_X>(panel, Kp, k0, k1, x + r * Kp, Kp, spill + r * NT * 8, out + r * N + n, N);
+      for (; r < M; r++) panel_dot<NT, 1>(panel, Kp, k0, k1, x + r * Kp, Kp, spill + r * NT * 8, out + r * N + n, N);
+    }
   };
   int64_t n = begin;
   for (; n + PANEL_ROWS <= end; n += PANEL_ROWS) {
