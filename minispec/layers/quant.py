@@ -265,8 +265,9 @@ def linear_ref(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = Non
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T in float32 on CPU: oneDNN's GEMM where torch ships it (F.linear's MKL takes no
-    AVX-512 path on AMD CPUs; both accumulate in float32; docs/experiments.md, "The prefill GEMM"), else F.linear."""
+    """x [M, K] @ w [N, K]^T in float32 on CPU: oneDNN's GEMM on AVX-512 CPUs where torch ships it (F.linear's MKL
+    takes no AVX-512 path on AMD CPUs), else F.linear (MKL: faster under AVX2); both accumulate in float32
+    (docs/experiments.md, "The prefill GEMM")."""
     if _ONEDNN_LINEAR is not None and x.is_contiguous() and w.is_contiguous():
         return _ONEDNN_LINEAR(x, w, None, "none", [], "")
     return F.linear(x, w)
@@ -310,7 +311,7 @@ def embedding(ids: torch.Tensor, w: torch.Tensor | PackedWeight, dtype: torch.dt
     return rows.to(dtype).view(*ids.shape, w.in_features)
 
 
-def _onednn_linear():
+def onednn_linear():
     """torch's oneDNN linear op (the one inductor calls on CPU), or None where this torch lacks it."""
     try:
         op = torch.ops.mkldnn._linear_pointwise
@@ -319,7 +320,9 @@ def _onednn_linear():
         return None
 
 
-_ONEDNN_LINEAR = _onednn_linear()
+# gemm's oneDNN op where the CPU has AVX-512, else None (F.linear): on a Zen 3 (AVX2) MKL's sgemm ran the bench's
+# 16-prompt prefill in 0.80-0.97x oneDNN's time (docs/experiments.md, thirty-third session)
+_ONEDNN_LINEAR = onednn_linear() if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else None
 
 
 def _cpu_ops():
