@@ -190,6 +190,15 @@ MUTANTS = [
     Mutant("the draft logits of greedy batches left unwritten even when beta is recorded", "minispec/engine/engine.py",
            "cache.greedy_rows_read = self.observer.record_beta", "cache.greedy_rows_read = False",
            ("tests/test_head.py", "-k", "unwritten")),
+    # ---- the unfused forward on the real tokens' rows alone (layers/attention.py, models/llama.py)
+    Mutant("real rows: each request's first padded row taken as real", "minispec/layers/attention.py",
+           "keep = torch.arange(L, device=lens.device) < lens.unsqueeze(1)",
+           "keep = torch.arange(L, device=lens.device) <= lens.unsqueeze(1)",
+           ("tests/test_models.py", "-k", "padded_batch")),
+    Mutant("real rows: the captured states written to the first N rows, not the real tokens'",
+           "minispec/models/llama.py", "captured.view(B * L, -1)[rows, c * H : (c + 1) * H] = stream",
+           "captured.view(B * L, -1)[: len(rows), c * H : (c + 1) * H] = stream",
+           ("tests/test_models.py", "-k", "padded_batch")),
     # ---- decode_layers in one parallel region (kernels/cpu_ops.cpp; each mutant rebuilds the C++ extension)
     Mutant("one region: each thread's share of silu's columns one short", "minispec/kernels/cpu_ops.cpp",
            "if (c0 < c1) silu_mul_rows(gu, I, 0, T, c0, c1, act);",

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from minispec.kernels import cpu
 from minispec.runner.kv_cache import KVCache
-from minispec.layers.attention import ForwardBatch
+from minispec.layers.attention import ForwardBatch, fused_max_tokens
 from minispec.models.loader import load_model
 from tests.utils import (decode_layers_both_ways, make_tiny_gguf, make_tiny_model_dir, requires_smollm2,
                          smollm2_gguf_path)
@@ -78,14 +78,29 @@ def test_logits_match_transformers(case, tmp_path):
     assert (ours - ref).abs().max().item() <= 1e-4
 
 
-def test_padded_batch_equals_each_alone(tiny):
+@pytest.mark.parametrize("lens", [(7, 3, 12), (150, 90, 200)], ids=["fused", "unfused"])
+def test_padded_batch_equals_each_alone(tiny, lens):
+    """A padded batch's logits and captured states (EAGLE's features) equal each request's alone (atol 1e-5). At
+    (150, 90, 200) the forward is past fused_max_tokens(): the layers run on the real tokens' rows alone
+    (AttentionMetadata.rows), so the padded rows' outputs come back zero."""
     _, model = tiny
-    queries = [prompt(7, 1), prompt(3, 2), prompt(12, 3)]
+    queries = [prompt(n, i + 1) for i, n in enumerate(lens)]
     slots = [2, 0, 1]
-    batched = run(model, new_kv(model), slots, [0, 0, 0], queries)
-    for slot, q, got in zip(slots, queries, batched):
-        alone = run(model, new_kv(model), [slot], [0], [q])[0]
-        torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+    model.capture_layers = (0, 1, model.num_layers)
+    try:
+        batched = run(model, new_kv(model, max_len=256), slots, [0, 0, 0], queries)
+        captured = model.captured  # [B, L, 3 * hidden]
+        if len(lens) * max(lens) > fused_max_tokens():
+            batch = ForwardBatch.build(slots, [0, 0, 0], queries, 4, "cpu")
+            with torch.inference_mode():
+                hidden = model(batch, new_kv(model, max_len=256))  # [B, L, hidden]
+            assert (hidden[1, lens[1]:] == 0).all() and (hidden[1, : lens[1]] != 0).any()
+        for b, (slot, q, got) in enumerate(zip(slots, queries, batched)):
+            alone = run(model, new_kv(model, max_len=256), [slot], [0], [q])[0]
+            torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+            torch.testing.assert_close(captured[b, : len(q)], model.captured[0], atol=1e-5, rtol=0)
+    finally:
+        model.capture_layers = ()
 
 
 def test_runner_splits_a_long_query_out_of_short_ones(tiny):

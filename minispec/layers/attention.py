@@ -1,7 +1,7 @@
 """The forward batch and attention over the per-slot KV cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -72,8 +72,8 @@ def causal_mask(positions: torch.Tensor, max_ctx: int, groups: int = 1) -> torch
 
 # Forwards of up to this many tokens (B * L) take the fused C++ kernels on CPU (rope_cache_attend, and the whole
 # forward in one call: decode_layers, head_layer), and at most the rows the packed kernels take before a long
-# prefill goes to a GEMM (PACKED_MAX_ROWS: 256 with AVX-512, 48 else); longer ones take SDPA's blocked matmuls
-# op by op. Was 16: on the Intel AMX kind 4x5 / 16x2 / 4x16 steps ran 22 / 26 / 15 % faster at 256, a 44-token
+# prefill goes to a GEMM (PACKED_MAX_ROWS: 256 with AVX-512, 96 with AVX2, 48 else); longer ones take SDPA's blocked
+# matmuls op by op. Was 16: on the Intel AMX kind 4x5 / 16x2 / 4x16 steps ran 22 / 26 / 15 % faster at 256, a 44-token
 # prompt's prefill 18 % (docs/experiments.md, nineteenth session).
 FUSED_MAX_TOKENS = 256
 
@@ -93,14 +93,31 @@ class AttentionMetadata:
     write_index: torch.Tensor  # [B * L] int64: cache row (slot * max_len + position) each token's K/V goes to
     mask: torch.Tensor | None  # [B, 1, groups * L, max_ctx] bool for the torch path; None on the fused one
     fused: bool  # the fused C++ kernel runs RoPE, the cache write and attention
+    # [N] the real tokens' rows of the flattened [B * L] where the layers around attention run on those N rows alone
+    # (attention's qkv [N, ...] then), else None: every row, padding included
+    rows: torch.Tensor | None = None
 
     @staticmethod
-    def build(batch: ForwardBatch, freqs_cis: torch.Tensor, k_cache: torch.Tensor, groups: int) -> "AttentionMetadata":
-        """For a forward over batch, writing into caches shaped like k_cache; groups = n_heads / n_kv_heads."""
+    def build(batch: ForwardBatch, freqs_cis: torch.Tensor, k_cache: torch.Tensor, groups: int,
+              unpadded: bool = False) -> "AttentionMetadata":
+        """For a forward over batch, writing into caches shaped like k_cache; groups = n_heads / n_kv_heads.
+        unpadded: the caller runs its layers on the real tokens alone (rows) where the torch path has padding."""
         write_index = batch.positions.add(batch.write_slots, alpha=k_cache.shape[1]).view(-1)  # [B * L]
         fused = batch.input_ids.numel() <= fused_max_tokens() and cpu.applies(k_cache)
         mask = None if fused else causal_mask(batch.positions, batch.max_ctx, groups)
-        return AttentionMetadata(batch, freqs_cis, write_index, mask, fused)
+        rows = real_rows(batch) if unpadded and not fused else None
+        return AttentionMetadata(batch, freqs_cis, write_index, mask, fused, rows)
+
+
+def real_rows(batch: ForwardBatch) -> torch.Tensor | None:
+    """[N] the rows of the flattened [B * L] that hold real tokens (each request's first ones), or None where no row
+    is padding."""
+    B, L = batch.input_ids.shape
+    lens = batch.last - torch.arange(0, B * L, L, device=batch.last.device) + 1  # [B]
+    if bool((lens == L).all()):
+        return None
+    keep = torch.arange(L, device=lens.device) < lens.unsqueeze(1)  # [B, L]
+    return keep.view(-1).nonzero().squeeze(1)
 
 
 def attention(
@@ -110,8 +127,13 @@ def attention(
 
     qkv [B, L, (n_heads + 2 n_kv_heads) * head_dim] (interleaved rotary pairs, layers/rotary.py),
     caches [num_slots + 1, max_len, n_kv_heads, head_dim]. Returns [B, L, n_heads * head_dim].
-    The fused path rotates q in place in qkv.
+    With meta.rows, qkv is the real tokens' [N, ...] and so is the result. The fused path rotates q in place in qkv.
     """
+    if meta.rows is not None:  # padded back to [B, L] for attention alone (padded rows: zeros, written to scratch)
+        B, L = meta.batch.input_ids.shape
+        full = qkv.new_zeros(B * L, qkv.shape[-1]).index_copy_(0, meta.rows, qkv.reshape(-1, qkv.shape[-1]))
+        out = attention(full.view(B, L, -1), replace(meta, rows=None), k_cache, v_cache, n_heads)
+        return out.view(B * L, -1).index_select(0, meta.rows)
     B, L, _ = qkv.shape
     n_kv, hd = k_cache.shape[2], k_cache.shape[3]
     batch = meta.batch

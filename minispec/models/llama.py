@@ -166,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         captured = torch.empty(B, L, len(capture) * H, dtype=h.dtype, device=h.device) if capture else None
         self.captured = captured
         freqs_cis = self.rotary(batch.positions, batch.max_ctx)  # [B, L, 1, head_dim / 2]
-        meta = AttentionMetadata.build(batch, freqs_cis, kv.k[0], self.num_heads // self.num_kv_heads)
+        meta = AttentionMetadata.build(batch, freqs_cis, kv.k[0], self.num_heads // self.num_kv_heads, unpadded=True)
         if meta.fused and (layers := self.cpu_layers()):  # every layer in one C++ call, same kernels
             out = cpu.ops().decode_layers(
                 h.view(B * L, H), *layers, kv.k, kv.v, torch.view_as_real(freqs_cis), meta.write_index,
@@ -175,10 +175,17 @@ class LlamaForCausalLM(nn.Module):
             )  # [B * L, hidden]
             return out.view(B, L, H)
 
+        rows = meta.rows  # [N] with padding: the layers run on the real tokens' rows alone
+        if rows is not None:
+            h = h.view(B * L, H).index_select(0, rows)  # [N, H]
+
         def keep(layer: int, stream: torch.Tensor) -> None:
             for c, l in enumerate(capture):
                 if l == layer:
-                    captured[..., c * H : (c + 1) * H] = stream
+                    if rows is None:
+                        captured[..., c * H : (c + 1) * H] = stream
+                    else:
+                        captured.view(B * L, -1)[rows, c * H : (c + 1) * H] = stream
 
         keep(0, h)
         residual = None
@@ -189,6 +196,8 @@ class LlamaForCausalLM(nn.Module):
         out = self.norm.add_forward(h, residual)[0]
         if capture:
             keep(self.num_layers, out)
+        if rows is not None:  # padded rows: zeros
+            out = out.new_zeros(B * L, H).index_copy_(0, rows, out).view(B, L, H)
         return out
 
     def weights_changed(self) -> None:
