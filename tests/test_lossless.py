@@ -267,7 +267,7 @@ def test_head_sampling_matches_target_law(target_dir, hf_models, name, settings,
 
     target = load_model(target_dir, dtype=torch.float32, device=torch.device("cpu"))
     head = make_tiny_head(target.config, version=3, draft_vocab_size=20, seed=7)
-    idx = [s[:4] for s in HEAD_SETTINGS].index((name, settings, k, fused))
+    idx = HEAD_SETTINGS.index((name, settings, k, fused))
     llm = LLM(target, draft=head, num_speculative_tokens=k, max_num_seqs=16, max_num_batched_tokens=4096,
               seed=700_000_000 + 1_000_000 * idx)
     gated = name == "T=1"

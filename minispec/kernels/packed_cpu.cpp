@@ -445,8 +445,8 @@ void dequant_panel(const uint8_t* wd, int64_t wstride, int64_t begin, int64_t en
 }
 
 // RT rows of x (stride ldx) against NT dequantised rows (panel, stride Kp) over k in [k0, k1): the accumulators
-// start at zero (k0 == 0) or from acc_spill (NT * RT vectors) and end summed into out[r * ldo + j] (k1 == Kp) or in
-// acc. One accumulator per pair, in k order: block_row_dot's floats at RT > 5. Each vector of x is loaded once for the
+// start at zero (k0 == 0) or from acc_spill (NT * RT vectors) and end summed into out[r * ldo + j] (k1 == Kp) or
+// back in acc_spill. One accumulator per pair, in k order: block_row_dot's floats at RT > 5. Each vector of x is loaded once for the
 // NT rows (block_row_dot loads it once per weight row, and x outgrows the 32 KB L1 past 8 rows at K = 576, from 6 at
 // K = 1536: those loads then come from L2).
 template <int NT, int RT>
