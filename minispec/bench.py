@@ -59,6 +59,7 @@ class BenchConfig:
     threads: int | None = None  # torch CPU threads; None: torch's default
     chat: bool = True  # apply the target's chat template when it has one
     stop_at_eos: bool = False  # end each answer at the target's EOS (else every system makes max_tokens tokens)
+    prefix_caching: bool = True  # minispec's (LLM enable_prefix_caching); each run starts with an empty cache
     cost_reps: int = 20  # timed forwards per cost-ratio measurement
     adaptive: bool = True  # also run each draft with AdaptiveK (measured costs; may turn speculation off)
     bandwidth_mib: int = 512  # size of the tensor copied to measure memory bandwidth
@@ -204,6 +205,7 @@ def minispec_runner(llm, cfg: BenchConfig, temperature: float):
 
     def run(batches, max_tokens):
         tokens, outputs = 0, []
+        llm.reset_prefix_cache()  # a round reuses prefixes among its own prompts only, never the last round's
         for batch in batches:
             params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=not cfg.stop_at_eos,
                                      seed=cfg.seed + i) for i, _ in batch]
@@ -349,7 +351,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     prompts, _ = encode_prompts(tokenizer, texts, cfg.chat, min(max_pos, 2048) - cfg.max_tokens - cfg.k - 2)
     max_len = max(len(p) for p in prompts) + cfg.max_tokens + 1
     common = dict(num_speculative_tokens=cfg.k, max_num_seqs=max_b, dtype=cfg.dtype, max_model_len=max_len,
-                  seed=cfg.seed, device=cfg.device, max_num_batched_tokens=max(2048, max_b * max_len))
+                  seed=cfg.seed, device=cfg.device, max_num_batched_tokens=max(2048, max_b * max_len),
+                  enable_prefix_caching=cfg.prefix_caching)
     llms = {None: LLM(cfg.target, None, **common)}
     device = llms[None].device
     hf_target = hf_target.to(device)
@@ -581,7 +584,7 @@ def format_table(result: dict) -> str:
         f"minispec bench: target {cfg['target']}, drafts {', '.join(cfg['drafts']) or '-'}, k={cfg['k']}, "
         f"{cfg['max_tokens']} tokens x {result['prompts']['num']} prompts ({result['prompts']['source']}, "
         f"mean {result['prompts']['mean_len']:.0f} tokens), {cfg['rounds']} round(s), {cfg['dtype']}, "
-        f"device {mach['device']} ({mach['device_name']}, torch threads={mach['torch_threads']})",
+        f"prefix caching {'on' if cfg.get('prefix_caching', True) else 'off'}, device {mach['device']} ({mach['device_name']}, torch threads={mach['torch_threads']})",
         f"memory bandwidth {roof['bandwidth_gb_s']:.1f} GB/s (copy, read+write); target {roof['bytes_per_token'] / 1e6:.1f} MB "
         f"per token -> roofline {roof['roofline_tok_s']:.1f} tok/s at batch 1",
     ]
@@ -694,6 +697,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply the target's chat template (default: on)")
     p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="end each answer at the target's EOS (default: off, every system makes --max-tokens)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="minispec's prefix caching, emptied before each run (default: on)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="also run each draft with adaptive k (default: on)")
     p.add_argument("--cost-reps", type=int, default=None, help="timed forwards per cost-ratio measurement")
@@ -711,7 +716,8 @@ def config_from_args(args) -> BenchConfig:
     if args.draft is not None:
         overrides["drafts"] = [d for d in args.draft if d.lower() != "none"]
     for name in ("target", "quantizations", "k", "batch_sizes", "temperatures", "max_tokens", "num_prompts", "rounds", "seed",
-                 "dtype", "device", "threads", "chat", "stop_at_eos", "cost_reps", "bandwidth_mib", "adaptive",
+                 "dtype", "device", "threads", "chat", "stop_at_eos", "prefix_caching", "cost_reps", "bandwidth_mib",
+                 "adaptive",
                  "llama_bench"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)

@@ -36,6 +36,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="start each request from the longest prompt prefix a slot holds (default: on)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--draft-dtype", default=None, help="the draft model's dtype (default: --dtype)")
@@ -120,7 +122,7 @@ def build_llm(args):
                dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len,
                ngram_n=(args.ngram_min, args.ngram_max), adaptive_k=args.adaptive_k,
                quantization=args.quantization, draft_quantization=args.draft_quantization,
-               draft_min_confidence=args.draft_min_confidence)
+               draft_min_confidence=args.draft_min_confidence, enable_prefix_caching=args.prefix_caching)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,6 +135,10 @@ class LLM:
     k_policy: a speculation-length policy of your own (Engine.k_policy: reqs -> each one's k), instead of
     adaptive_k; e.g. an AdaptiveK with costs a tool measured.
     observer: instrumentation hooks (engine/observer.py: per-step k, timings, beta), e.g. for sweeps.
+    enable_prefix_caching: a new request starts from the K/V of the longest prefix of its prompt that a running
+    request or a freed slot holds (a shared system prompt is computed once; engine/request.py's Scheduler);
+    reset_prefix_cache() forgets the freed slots'. The reused K/V are the ones a recomputation gives, up to float
+    summation order (they were computed in another batch).
     packed (GGUF models; None = True): keep the file's 4/8-bit weights packed and compute exactly on them in
     float32 (the float32 model the file describes, at the file's size); False dequantises them to dtype.
     quantization: "int8" (Q8_0) or "int4" (Q4_1 layers, Q8_0 embedding): weight-only quantisation of a float
@@ -172,6 +176,7 @@ class LLM:
         draft_min_confidence: float | None = None,
         k_policy=None,
         observer: Observer | None = None,
+        enable_prefix_caching: bool = True,
     ):
         auto = isinstance(draft, str) and draft == "auto"
         draft, draft_quantization, adaptive_k = resolve_draft(target, draft, draft_quantization, adaptive_k, k_policy)
@@ -196,7 +201,8 @@ class LLM:
         if self.draft is not None:
             max_len = min(max_len, self.draft.max_model_len)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              max_model_len=max_len, shard_draft_logits=shard_draft_logits)
+                              max_model_len=max_len, shard_draft_logits=shard_draft_logits,
+                              enable_prefix_caching=enable_prefix_caching)
         kv_len = max_len + k + 1  # room for k drafts (and the draft's k - 1 fed drafts) past the last real position
         target_runner = ModelRunner(self.target.model, max_num_seqs, kv_len, dtype=torch_dtype, device=self.device)
         self.auto_draft: str | None = None  # with draft="auto": what it measured and chose (_auto_pays)
@@ -331,6 +337,11 @@ class LLM:
     def abort(self, request_id: str) -> None:
         """Stop a request now, freeing its KV cache slot and draft-logits row."""
         self.engine.abort(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Free slots forget the prompts they hold (prefix caching): the next requests compute theirs, as a
+        benchmark's rounds over the same prompts should."""
+        self.engine.scheduler.forget_prefixes()
 
     def _output(self, req: Request, prompt) -> RequestOutput:
         toks = req.output_token_ids

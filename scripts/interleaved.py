@@ -100,6 +100,7 @@ def main() -> None:
         line = []
         for n in names if r % 2 == 0 else names[::-1]:
             with environment(n.partition("|")[2]):
+                llms[n].reset_prefix_cache()  # each round reuses prefixes among its own prompts only
                 t0 = time.perf_counter()
                 outs = llms[n].generate(prompts, params, use_chat_template=True)
                 dt = time.perf_counter() - t0

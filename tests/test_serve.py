@@ -711,7 +711,12 @@ def test_echo_with_max_tokens_0_scores_the_prompt(server, hf_log_softmax):
                       1, srv.llm.tokenizer.convert_tokens_to_ids)
     out = post(url, "/completions", {"prompt": prompt, "max_tokens": 0, "echo": True})
     assert out["choices"][0]["text"] == "The cat sat on the mat" and out["choices"][0]["logprobs"] is None
-    assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+    assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt),
+                            "prompt_tokens_details": {"cached_tokens": 0}}  # scored: every position computed
+    # an answered prompt's K/V (target's and draft's) serve the next request with it: all but its last token
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    post(url, "/completions", body)
+    assert post(url, "/completions", body)["usage"]["prompt_tokens_details"] == {"cached_tokens": len(prompt) - 1}
     # echo with a completion: the prompt's text, then the same seeded completion as without echo
     body = {"prompt": "Once", "max_tokens": 5, "seed": 2, "ignore_eos": True}
     plain = post(url, "/completions", body)["choices"][0]["text"]
@@ -735,7 +740,9 @@ def test_n_choices(server, chat):
     assert [text(post(url, path, {**body, "seed": 11 + i})["choices"][0]) for i in range(3)] == texts
     assert len(set(texts)) > 1
     prompt = srv.llm.encode_chat(base["messages"]) if chat else srv.llm.encode(base["prompt"], False)
-    assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 18, "total_tokens": len(prompt) + 18}
+    usage = dict(out["usage"])
+    assert 0 <= usage.pop("prompt_tokens_details")["cached_tokens"] < len(prompt)
+    assert usage == {"prompt_tokens": len(prompt), "completion_tokens": 18, "total_tokens": len(prompt) + 18}
     streamed = stream_choices(url, path, {**body, "n": 3, "stream_options": {"include_usage": True}})
     assert [streamed[i]["text"] for i in range(3)] == texts
     assert all(streamed[i]["finish_reason"] == "length" for i in range(3))

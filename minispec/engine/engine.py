@@ -29,6 +29,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     shard_draft_logits: bool | None = None  # None: sharded iff tp > 1
+    enable_prefix_caching: bool = True  # a newcomer reuses the K/V of a prompt prefix another slot holds (Scheduler)
 
 
 @dataclass(slots=True)
@@ -280,7 +281,8 @@ class Engine:
                 f"max_num_batched_tokens={config.max_num_batched_tokens} cannot fit one decode of "
                 f"1 + {self.k} draft tokens"
             )
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.enable_prefix_caching,
+                                   draft_kv=proposer is not None and proposer.has_kv_cache)
         self.requests: dict[str, Request] = {}
         self.draft_logits: DraftLogitsCache | None = None
         if proposer is not None:
@@ -347,16 +349,22 @@ class Engine:
         req.finish_reason = reason
         req.metrics.finish_time = time.perf_counter()
         req.drafts = None
+        self.scheduler.free(req)  # first: the slot keeps the prefix both caches hold
         if self.proposer is not None:
             self.proposer.free(req)
         self.k_policy.free(req)
-        self.scheduler.free(req)
+        req.slot = -1
         del self.requests[req.req_id]
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One engine step: verify the scheduled requests' drafts, accept, then draft anew."""
         scheduled = self.scheduler.schedule()
+        for c in self.scheduler.copies:  # newcomers' reused prefixes, before the forward reads them
+            if c.src != c.dst:
+                self.target.kv.copy_prefix(c.src, c.dst, c.num_tokens)
+                if self.proposer is not None:
+                    self.proposer.copy_prefix(c.src, c.dst, c.num_tokens)
         if not scheduled:
             return []
         t0, forward_s0 = time.perf_counter(), self._forward_s()

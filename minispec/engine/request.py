@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,7 @@ class RequestMetrics:
     num_accepted_tokens: int = 0  # accepted drafts that were emitted (a stop or max_tokens cuts a run)
     num_emitted_tokens: int = 0  # tokens emitted by verifications with drafts (accepted + drawn, as cut)
     num_stale_drafts: int = 0  # drafts rejected because their draft logits row was taken
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from another slot's prefix (Scheduler, prefix caching)
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -49,6 +51,7 @@ class RequestMetrics:
         elapsed = (self.finish_time or time.perf_counter()) - self.arrival_time
         return {
             **self.counters(),
+            "num_cached_tokens": self.num_cached_tokens,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "time_to_first_token_s": (self.first_token_time - self.arrival_time) if self.first_token_time else None,
@@ -130,20 +133,48 @@ class ScheduledRequest:
     emits: bool  # this step reaches the end of token_ids: its drafts are verified and a token sampled
 
 
+# A newcomer waits for a running prompt's prefill when sharing that prompt's prefix saves it this many tokens or more.
+DEFER_MIN_TOKENS = 16
+
+
+@dataclass(slots=True)
+class PrefixCopy:
+    """A prefix reused at admission: positions < num_tokens of slot src's KV caches go to slot dst (equal: in place)."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
 class Scheduler:
     """Admits requests into at most `max_num_seqs` slots and packs a step into a token budget.
 
     Running requests are taken least recently scheduled first. A prompt that does not fit is
     prefilled in chunks; a decode (1 token + its drafts) that does not fit is skipped this step and
     keeps its drafts. Since the request skipped longest goes first next step, nobody starves.
+
+    Prefix caching (reuse_prefixes): a free slot keeps the K/V its last request computed until a newcomer takes it.
+    A newcomer starts from the longest prefix of its prompt that a running request or a free slot holds, copied into
+    its own slot (`copies`, applied by the engine before the step's forward); it takes the free slot that holds
+    nothing, else the least recently freed one, and the source itself only when no other slot is free.
+    The last shared token is fed again (an EAGLE head's entry at position p reads token p + 1), and so is the
+    prompt's last token (its logits). A newcomer whose prompt shares DEFER_MIN_TOKENS more with a prompt still
+    being prefilled waits for that prefill. A request that asks for prompt logprobs computes its whole prompt.
     """
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, reuse_prefixes: bool = False,
+                 draft_kv: bool = False):
+        """draft_kv: the proposer keeps a KV cache of its own, so a prefix is reused only as far as both hold it."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.reuse_prefixes = reuse_prefixes
+        self.draft_kv = draft_kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
+        # free slot -> (the token ids of its last request, how many of them its caches hold), least recently used first
+        self.held: dict[int, tuple[list[int], int]] = {}
+        self.copies: list[PrefixCopy] = []  # the last schedule()'s prefixes to copy, in admission order
         self.step_idx = 0
 
     def add(self, req: Request) -> None:
@@ -153,20 +184,75 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def free(self, req: Request) -> None:
-        """Take a finished or aborted request out and give its slot back."""
+        """Take a finished or aborted request out and give its slot back (which keeps its prefix, unless the
+        request ended in an error). Call it before the proposer forgets the request's draft cache length."""
         if req in self.running:
             self.running.remove(req)
             self.free_slots.append(req.slot)
+            if self.reuse_prefixes and req.error is None:
+                self.held[req.slot] = (req.token_ids, self._valid(req))
         elif req in self.waiting:
             self.waiting.remove(req)
-        req.slot = -1
+
+    def forget_prefixes(self) -> None:
+        """Free slots keep nothing: the next newcomers compute their prompts (running requests stay sources)."""
+        self.held.clear()
+
+    def _valid(self, req: Request) -> int:
+        """Leading token ids of req whose K/V both its target cache and (draft_kv) its draft cache hold."""
+        return min(req.num_computed, req.num_draft_computed) if self.draft_kv else req.num_computed
+
+    def _prefix_source(self, req: Request) -> tuple[int, int]:
+        """(slot, tokens) of the longest reusable prefix of req's prompt in a free slot or a running request (a free
+        slot first in a tie); (-1, 0): none."""
+        prompt = req.prompt_token_ids
+        best = (-1, 0)
+        sources = [(s, *self.held[s]) for s in self.held] + [(r.slot, r.token_ids, self._valid(r)) for r in self.running]
+        for slot, tokens, valid in sources:
+            n = min(common_prefix(prompt, tokens) - 1, len(prompt) - 1, valid)
+            if n > best[1]:
+                best = (slot, n)
+        return best
+
+    def _defer(self, req: Request, n: int) -> bool:
+        """Whether req should wait: a running prompt still being prefilled shares DEFER_MIN_TOKENS more with it than
+        the n tokens it can reuse now."""
+        prompt = req.prompt_token_ids
+        for r in self.running:
+            if r.num_computed < r.num_prompt_tokens:
+                shared = min(common_prefix(prompt, r.prompt_token_ids) - 1, len(prompt) - 1)
+                if shared - n >= DEFER_MIN_TOKENS:
+                    return True
+        return False
+
+    def _admit(self) -> None:
+        """Give free slots to waiting requests, oldest first, each reusing the longest prefix it finds (the first
+        2 max_num_seqs waiting are looked at: a burst of deferred ones costs a bounded scan a step)."""
+        self.copies = []
+        for req in list(islice(self.waiting, 2 * self.max_num_seqs)):
+            if not self.free_slots:
+                break
+            src, n = (-1, 0)
+            if self.reuse_prefixes and req.prompt_logprobs is None:
+                src, n = self._prefix_source(req)
+                if self._defer(req, n):
+                    continue
+            self.waiting.remove(req)
+            # a slot that holds nothing, else the least recently freed prefix but the source's; else the source itself
+            empty = [s for s in self.free_slots if s not in self.held]
+            slot = empty[-1] if empty else next((s for s in self.held if s != src), src)
+            self.free_slots.remove(slot)
+            self.held.pop(slot, None)
+            req.slot = slot
+            self.running.append(req)
+            if n:
+                req.num_computed = req.num_draft_computed = n
+                req.metrics.num_cached_tokens = n
+                self.copies.append(PrefixCopy(src, slot, n))
 
     def schedule(self) -> list[ScheduledRequest]:
-        """This step's batch, in batch-position order."""
-        while self.waiting and self.free_slots:
-            req = self.waiting.popleft()
-            req.slot = self.free_slots.pop()
-            self.running.append(req)
+        """This step's batch, in batch-position order (admitting newcomers first: see `copies`)."""
+        self._admit()
         budget = self.max_num_batched_tokens
         batch: list[ScheduledRequest] = []
         for req in sorted(self.running, key=lambda r: (r.last_scheduled_step, r.arrival)):
@@ -185,3 +271,12 @@ class Scheduler:
             s.req.last_scheduled_step = self.step_idx
         self.step_idx += 1
         return batch
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n

@@ -34,3 +34,8 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Positions < n of slot src, every layer, into slot dst (prefix caching)."""
+        for t in self.k + self.v:
+            t[dst, :n] = t[src, :n]

@@ -348,9 +348,11 @@ def _failed(choices: list[Choice]) -> Update | None:
 
 
 def _usage(job: Job, choices: list[Choice]) -> dict:
-    """The prompt counted once (as OpenAI counts it for n > 1), every choice's tokens."""
+    """The prompt counted once (as OpenAI counts it for n > 1; its cached tokens as the first choice's), every
+    choice's tokens."""
     n = sum(len(c.text.token_ids) for c in choices)
-    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n, "total_tokens": len(job.prompt_ids) + n}
+    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n, "total_tokens": len(job.prompt_ids) + n,
+            "prompt_tokens_details": {"cached_tokens": choices[0].last.num_cached_tokens}}
 
 
 def _spec(lasts: list[Update]) -> dict:

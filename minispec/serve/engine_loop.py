@@ -36,6 +36,7 @@ class Update:
     spec: dict = field(default_factory=dict)  # the request's speculation counters so far
     logprobs: list | None = None  # the new tokens' (SamplingParams.logprobs; Request.logprobs's entries)
     prompt_logprobs: list | None = None  # on the request's first update (SamplingParams.prompt_logprobs)
+    num_cached_tokens: int = 0  # prompt tokens the request reused from another slot (prefix caching)
 
 
 @dataclass(slots=True)
@@ -234,7 +235,8 @@ class EngineLoop:
             logprobs = None if req.logprobs is None else req.logprobs[len(req.logprobs) - new :]
             prompt_logprobs = None if live.delivered else req.prompt_logprobs
             live.delivered = True
-            live.sink(Update(out.new_token_ids, req.finish_reason, req.error, spec, logprobs, prompt_logprobs))
+            live.sink(Update(out.new_token_ids, req.finish_reason, req.error, spec, logprobs, prompt_logprobs,
+                             m.num_cached_tokens))
 
     def _observe(self, live: _Live, req, new_token_ids: list[int], now: float) -> None:
         m, metrics = req.metrics, self.metrics

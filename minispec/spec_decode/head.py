@@ -237,6 +237,7 @@ class HeadProposer:
         value (cutting a sampled draft for its own low q would bias the draws the rejection sampler checks)."""
         self.runner = runner
         self.k = k
+        self.has_kv_cache = True
         self.lookup = lookup
         self.min_confidence = min_confidence
         self.fused_greedy = True  # greedy batches draft every step in one C++ call where it applies (HeadRunner.greedy)
@@ -373,6 +374,9 @@ class HeadProposer:
             feats = hidden.split(1)  # [1, H] each
             fused = False
         return drafts
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self.runner.kv.copy_prefix(src, dst, n)
 
     def free(self, req: Drafting) -> None:
         self.pending.pop(req.slot, None)

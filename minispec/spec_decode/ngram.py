@@ -75,6 +75,7 @@ class NgramProposer:
         self.max_n = max_n
         self.device = torch.device(device) if device is not None else None  # None: the cache's device
         self.forward_s = 0.0  # no model forwards
+        self.has_kv_cache = False
 
     def propose(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
         """Drafts [num_reqs, k] int64 (-1 = none); writes their one-hot logits to this rank's rows.
@@ -88,6 +89,9 @@ class NgramProposer:
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=device)  # [num_reqs]
         cache.write_one_hot(cache.rows_of(slots).long(), torch.from_numpy(drafts).to(device))
         return drafts
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Nothing to copy: no draft KV cache."""
 
     def free(self, req: Drafting) -> None:
         """Nothing to free: the proposer keeps no per-request state."""

@@ -31,6 +31,10 @@ class Proposer(Protocol):
 
     k: int
     forward_s: float  # seconds spent in model forwards so far (the engine's step timings)
+    has_kv_cache: bool  # it keeps a KV cache of its own, which num_draft_computed measures
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Prefix caching: positions < n of slot src's own KV cache into slot dst (nothing without one)."""
 
     def propose(self, reqs: list[Drafting], cache: DraftLogitsCache, num_steps: int | None = None) -> np.ndarray:
         """[num_reqs, num_steps] drafts (num_steps defaults to k)."""
@@ -51,6 +55,7 @@ class DraftModelProposer:
         self.runner = runner
         self.k = k
         self.shares_target_kv = shares_target_kv
+        self.has_kv_cache = not shares_target_kv
 
     @property
     def forward_s(self) -> float:
@@ -91,6 +96,10 @@ class DraftModelProposer:
             # The draft cache now holds token_ids and the drafts but the last, which was never fed.
             r.num_draft_computed = len(r.token_ids) + num_steps - 1
         return drafts
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        if self.has_kv_cache:
+            self.runner.kv.copy_prefix(src, dst, n)
 
     def free(self, req: Drafting) -> None:
         req.num_draft_computed = 0
