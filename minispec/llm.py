@@ -266,10 +266,11 @@ class LLM:
 
     def _auto_pays(self, runner: HeadRunner, torch_dtype, name: str) -> bool:
         """Whether "auto"'s head is predicted to reach AUTO_MIN_SPEEDUP at batch 1 and k = 1 here: its recorded
-        acceptance against a 2-token target forward and one head step, both timed now over one 1-token forward,
-        fastest of 11 samples each (with 3 the prediction ranged 1.02-1.24x on the Zen 4, with 11 1.04-1.09x; rank
-        0's figures under TP). Sets auto_draft to what it measured and chose."""
-        costs = measure_costs(self.target.model, {"head": runner}, k_max=1, batch_size=1, context=128, repeats=10,
+        acceptance against a 2-token target forward and one head step, both timed now over one 1-token forward in 30
+        rounds (about a second on a 2-core CPU), each ratio the median of the rounds' (CostBench.measure; on a Zen 3
+        the 2-token ratio read 1.28-1.35 in 8 inits, 1.23-1.35 with 10 rounds; rank 0's figures under TP). Sets
+        auto_draft to what it measured and chose."""
+        costs = measure_costs(self.target.model, {"head": runner}, k_max=1, batch_size=1, context=128, repeats=30,
                               vocab_size=self.target.vocab_size, dtype=torch_dtype, device=self.device)
         alpha = self.head.acceptance or 0.0  # a head without a recorded acceptance is not predicted to pay
         figures = torch.tensor([costs["verify_ratio"][1], costs["c"]["head"]], dtype=torch.float64)

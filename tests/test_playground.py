@@ -362,6 +362,28 @@ def test_cost_bench_makes_rank0s_number_of_calls(target_dir, monkeypatch):
     assert sorted(steps) == sorted([1] * 4 + [2] * 4 + [3] * 4 + [1] * 4)
 
 
+def test_cost_bench_ratios_are_medians_of_each_rounds_ratio(target_dir, monkeypatch):
+    """A ratio pairs the samples of one round (a slow phase of the host slows both): the median of the rounds'
+    ratios past the warm-up, not the ratio of the fastest samples; the times stay the fastest."""
+    from minispec.models.loader import load_model
+    from minispec.spec_decode import costs as costs_module
+
+    model = load_model(target_dir, dtype=torch.float32, device="cpu").model
+    bench = costs_module.CostBench(model, {}, 1, 1, 16, model.vocab_size, torch.float32, "cpu")
+    fed = []
+    monkeypatch.setattr(bench.target, "step", lambda b, n: fed.append(n))
+    samples = {1: iter([50.0, 10.0, 20.0, 11.0]), 2: iter([50.0, 12.0, 26.0, 14.3])}  # warm-up, then 3 rounds
+
+    def fake_time(fn, n):
+        fn()
+        return samples[fed[-1]].__next__()
+
+    monkeypatch.setattr(costs_module, "_time", fake_time)
+    out = bench.measure(1, repeats=3)
+    assert out["verify_ratio"][1] == pytest.approx(1.3)  # rounds 1.2, 1.3, 1.3; the fastest samples give 1.2
+    assert out["target_step_ms"] == pytest.approx(1e4) and out["verify_ms"][1] == pytest.approx(1.2e4)
+
+
 def test_cost_bench_times_drafts_after_a_target_forward(target_dir, monkeypatch):
     """In generation a draft step follows the target's forward, which streams the target's weights through the caches:
     every draft sample (the warm-up and each repeat) is timed after an untimed 1-token target forward."""
