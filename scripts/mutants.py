@@ -114,6 +114,9 @@ MUTANTS = [
            "        self.num_computed = len(self.token_ids) + num_accepted",
            "        self.num_computed = len(self.token_ids) + self.num_drafts",
            ("tests/test_engine.py::test_speculative_greedy_equals_transformers",)),
+    Mutant("length groups: no merging of unfused neighbours", "minispec/runner/model_runner.py",
+           "            merged[-1] = both", "            merged.append(g)",
+           ("tests/test_models.py::test_runner_splits_a_long_query_out_of_short_ones",)),
     # ---- prefix caching (engine/request.py's Scheduler)
     Mutant("prefix caching: the target's K/V left uncopied", ENGINE,
            "                self.target.kv.copy_prefix(c.src, c.dst, c.num_tokens)\n", "",

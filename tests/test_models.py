@@ -111,6 +111,13 @@ def test_runner_splits_a_long_query_out_of_short_ones(tiny):
     assert length_groups([3, 1, 2]) == [[1, 2, 0]] and length_groups([]) == []
     assert all(len(length_groups(lens)) == 1 for lens in ([1] * 64, [5] * 16, [30, 40, 50], [1, 2, 2, 6]))
     assert length_groups([1, 1, 1, 44]) == [[0, 1, 2], [3]]  # a prompt beside decodes: not 129 padded positions
+    # groups both padded past unpadded_past merge while padding at most doubles the positions (attention's cost alone)
+    lens = [17, 21, 25, 29, 34] * 3  # 15 prompts' rests after a shared prefix: 510 positions for 378 real
+    assert len(length_groups(lens)) > 1 and length_groups(lens, unpadded_past=96) == [sorted(range(15), key=lens.__getitem__)]
+    assert length_groups(lens, unpadded_past=600) == length_groups(lens)  # never padded past it: as before
+    lens = [40] * 15 + [57]  # the 57 alone fits a fused forward: kept apart
+    assert length_groups(lens, unpadded_past=96) == length_groups(lens) == [list(range(15)), [15]]
+    assert length_groups([1] * 150 + [2000], unpadded_past=96) == [list(range(150)), [150]]  # 302000 for 2150
     _, model = tiny
     queries = [prompt(300, 6), prompt(1, 7), prompt(2, 8), prompt(290, 9)]
     runner = ModelRunner(model, 4, 320, dtype=torch.float32, device="cpu")

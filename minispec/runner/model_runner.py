@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from minispec.runner.kv_cache import KVCache
-from minispec.layers.attention import ForwardBatch
+from minispec.layers.attention import ForwardBatch, fused_max_tokens
 
 
 class ModelRunner:
@@ -53,7 +53,9 @@ class ModelRunner:
 
     def _forward_groups(self, slots, starts, queries, num_logits, gather: bool) -> torch.Tensor:
         """forward without the timing: one padded forward per group of similar query lengths."""
-        groups = [sorted(g, key=slots.__getitem__) for g in length_groups([len(q) for q in queries])]
+        unpadded_past = fused_max_tokens() if torch.device(self.device).type == "cpu" else 0
+        groups = [sorted(g, key=slots.__getitem__) for g in length_groups([len(q) for q in queries],
+                                                                          unpadded_past=unpadded_past)]
         if len(groups) <= 1:
             return self._forward(slots, starts, queries, num_logits, gather, groups[0] if groups else None)
         parts, at = [], []  # each group's logits, and where they go in the output
@@ -95,12 +97,16 @@ class ModelRunner:
         return self.model.compute_logits(states, gather=gather)
 
 
-def length_groups(lens: list[int], max_waste: int = 16) -> list[list[int]]:
+def length_groups(lens: list[int], max_waste: int = 16, unpadded_past: int | None = None) -> list[list[int]]:
     """Request indices in groups of similar query length: padding a group to its longest query wastes
     at most max(max_waste, a quarter of its real tokens) token positions. One group when all are alike.
     A padded position costs about what a real one does, and a forward more about what 16 positions do on a
     2-core CPU: with 256, a prompt admitted beside 3 decoding requests padded them to its length (4x its own
-    positions), and the head at batch 4 ran 0.72x target-only (docs/experiments.md, eighteenth session)."""
+    positions), and the head at batch 4 ran 0.72x target-only (docs/experiments.md, eighteenth session).
+    Neighbouring groups both padded past unpadded_past positions then merge while the waste stays at most the real
+    tokens: such a forward runs its layers on its real tokens alone (LlamaForCausalLM past fused_max_tokens()), so
+    padding costs attention only, and each forward more dequantises every weight again (docs/experiments.md,
+    thirty-fourth session)."""
     order = sorted(range(len(lens)), key=lens.__getitem__)
     groups: list[list[int]] = []
     cur: list[int] = []
@@ -114,4 +120,15 @@ def length_groups(lens: list[int], max_waste: int = 16) -> list[list[int]]:
         real += lens[i]
     if cur:
         groups.append(cur)
-    return groups
+    if unpadded_past is None:
+        return groups
+    padded = lambda g: len(g) * max(lens[i] for i in g)  # noqa: E731
+    merged = groups[:1]
+    for g in groups[1:]:
+        both = merged[-1] + g
+        if padded(merged[-1]) > unpadded_past and padded(g) > unpadded_past and \
+                padded(both) - sum(lens[i] for i in both) <= sum(lens[i] for i in both):
+            merged[-1] = both
+        else:
+            merged.append(g)
+    return merged
