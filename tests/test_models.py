@@ -82,7 +82,7 @@ def test_logits_match_transformers(case, tmp_path):
 def test_padded_batch_equals_each_alone(tiny, lens):
     """A padded batch's logits and captured states (EAGLE's features) equal each request's alone (atol 1e-5). At
     (150, 90, 200) the forward is past fused_max_tokens(): the layers run on the real tokens' rows alone
-    (AttentionMetadata.rows), so the padded rows' outputs come back zero."""
+    (AttentionMetadata.rows), so the padded rows' outputs and captured states come back zero."""
     _, model = tiny
     queries = [prompt(n, i + 1) for i, n in enumerate(lens)]
     slots = [2, 0, 1]
@@ -95,6 +95,7 @@ def test_padded_batch_equals_each_alone(tiny, lens):
             with torch.inference_mode():
                 hidden = model(batch, new_kv(model, max_len=256))  # [B, L, hidden]
             assert (hidden[1, lens[1]:] == 0).all() and (hidden[1, : lens[1]] != 0).any()
+            assert (model.captured[1, lens[1]:] == 0).all()  # so are the captured states' (no uninitialised rows)
         for b, (slot, q, got) in enumerate(zip(slots, queries, batched)):
             alone = run(model, new_kv(model, max_len=256), [slot], [0], [q])[0]
             torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)

@@ -163,10 +163,13 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(batch.input_ids)  # [B, L, hidden]
         B, L, H = h.shape
         capture = self.capture_layers
-        captured = torch.empty(B, L, len(capture) * H, dtype=h.dtype, device=h.device) if capture else None
-        self.captured = captured
         freqs_cis = self.rotary(batch.positions, batch.max_ctx)  # [B, L, 1, head_dim / 2]
         meta = AttentionMetadata.build(batch, freqs_cis, kv.k[0], self.num_heads // self.num_kv_heads, unpadded=True)
+        captured = None
+        if capture:  # the padded rows stay zero where the layers run on the real rows alone
+            alloc = torch.zeros if meta.rows is not None else torch.empty
+            captured = alloc(B, L, len(capture) * H, dtype=h.dtype, device=h.device)
+        self.captured = captured
         if meta.fused and (layers := self.cpu_layers()):  # every layer in one C++ call, same kernels
             out = cpu.ops().decode_layers(
                 h.view(B * L, H), *layers, kv.k, kv.v, torch.view_as_real(freqs_cis), meta.write_index,
