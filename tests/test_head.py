@@ -123,16 +123,11 @@ class Recorder(HeadProposer):
         return drafts
 
 
-@pytest.mark.parametrize("version, draft_vocab, budget", [(3, 100, 2048), (3, 100, 9), (1, None, 2048)])
-def test_proposals_are_the_head_on_the_accepted_context(target, version, draft_vocab, budget):
-    """Every draft's cached logits equal the head's training forward over the context the engine had when it
-    drafted (the target's states at every accepted position, the head's KV rolled back), and greedy output equals
-    the target's alone; budget 9 chunks prefills and skips decodes."""
-    head = make_tiny_head(target.config, version=version, draft_vocab_size=draft_vocab, seed=2)
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [10, 11, 12], list(range(20, 40))]
-    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    ref = LLM(target, draft=None).generate(prompts, sp)
-    llm = LLM(target, draft=head, num_speculative_tokens=3, max_num_batched_tokens=budget, max_num_seqs=4)
+def check_proposals_are_the_head(target, head, prompts: list[list[int]], sp: SamplingParams, **llm_kw) -> list:
+    """Generate with the head (k = 3, a Recorder), assert greedy output equals the target's alone and every draft's
+    cached logits equal the head's training forward over the context the engine had when it drafted; the outputs."""
+    ref = LLM(target, draft=None, enable_prefix_caching=False).generate(prompts, sp)
+    llm = LLM(target, draft=head, num_speculative_tokens=3, **llm_kw)
     eng = llm.engine
     rec = Recorder(eng.proposer.runner, eng.target, 3)
     eng.proposer = rec
@@ -144,6 +139,18 @@ def test_proposals_are_the_head_on_the_accepted_context(target, version, draft_v
         finite = torch.isfinite(want)
         assert torch.equal(finite, torch.isfinite(got))
         torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+    return out
+
+
+@pytest.mark.parametrize("version, draft_vocab, budget", [(3, 100, 2048), (3, 100, 9), (1, None, 2048)])
+def test_proposals_are_the_head_on_the_accepted_context(target, version, draft_vocab, budget):
+    """Every draft's cached logits equal the head's training forward over the context the engine had when it
+    drafted (the target's states at every accepted position, the head's KV rolled back), and greedy output equals
+    the target's alone; budget 9 chunks prefills and skips decodes."""
+    head = make_tiny_head(target.config, version=version, draft_vocab_size=draft_vocab, seed=2)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [10, 11, 12], list(range(20, 40))]
+    check_proposals_are_the_head(target, head, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                                 max_num_batched_tokens=budget, max_num_seqs=4)
 
 
 @pytest.mark.parametrize("fused", [True, False])
