@@ -584,7 +584,8 @@ def format_table(result: dict) -> str:
         f"minispec bench: target {cfg['target']}, drafts {', '.join(cfg['drafts']) or '-'}, k={cfg['k']}, "
         f"{cfg['max_tokens']} tokens x {result['prompts']['num']} prompts ({result['prompts']['source']}, "
         f"mean {result['prompts']['mean_len']:.0f} tokens), {cfg['rounds']} round(s), {cfg['dtype']}, "
-        f"prefix caching {'on' if cfg.get('prefix_caching', True) else 'off'}, device {mach['device']} ({mach['device_name']}, torch threads={mach['torch_threads']})",
+        f"prefix caching {'on' if cfg.get('prefix_caching', True) else 'off'}, "
+        f"device {mach['device']} ({mach['device_name']}, torch threads={mach['torch_threads']})",
         f"memory bandwidth {roof['bandwidth_gb_s']:.1f} GB/s (copy, read+write); target {roof['bytes_per_token'] / 1e6:.1f} MB "
         f"per token -> roofline {roof['roofline_tok_s']:.1f} tok/s at batch 1",
     ]
@@ -717,8 +718,7 @@ def config_from_args(args) -> BenchConfig:
         overrides["drafts"] = [d for d in args.draft if d.lower() != "none"]
     for name in ("target", "quantizations", "k", "batch_sizes", "temperatures", "max_tokens", "num_prompts", "rounds", "seed",
                  "dtype", "device", "threads", "chat", "stop_at_eos", "prefix_caching", "cost_reps", "bandwidth_mib",
-                 "adaptive",
-                 "llama_bench"):
+                 "adaptive", "llama_bench"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     return load_config(args.config, overrides)

@@ -122,12 +122,15 @@ def length_groups(lens: list[int], max_waste: int = 16, unpadded_past: int | Non
         groups.append(cur)
     if unpadded_past is None:
         return groups
-    padded = lambda g: len(g) * max(lens[i] for i in g)  # noqa: E731
+
+    def padded(g: list[int]) -> int:
+        return len(g) * max(lens[i] for i in g)
+
     merged = groups[:1]
     for g in groups[1:]:
         both = merged[-1] + g
-        if padded(merged[-1]) > unpadded_past and padded(g) > unpadded_past and \
-                padded(both) - sum(lens[i] for i in both) <= sum(lens[i] for i in both):
+        unfused = padded(merged[-1]) > unpadded_past and padded(g) > unpadded_past
+        if unfused and padded(both) <= 2 * sum(lens[i] for i in both):  # waste at most the real tokens
             merged[-1] = both
         else:
             merged.append(g)
