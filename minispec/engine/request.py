@@ -206,20 +206,27 @@ class Scheduler:
         """(slot, tokens) of the longest reusable prefix of req's prompt in a free slot or a running request (a free
         slot first in a tie); (-1, 0): none."""
         prompt = req.prompt_token_ids
+        most = len(prompt) - 1  # the prompt's last token is always fed
         best = (-1, 0)
         sources = [(s, *self.held[s]) for s in self.held] + [(r.slot, r.token_ids, self._valid(r)) for r in self.running]
         for slot, tokens, valid in sources:
-            n = min(common_prefix(prompt, tokens) - 1, len(prompt) - 1, valid)
+            if min(valid, most) <= best[1]:  # cannot do better
+                continue
+            n = min(common_prefix(prompt, tokens) - 1, most, valid)
             if n > best[1]:
                 best = (slot, n)
+                if n == most:
+                    break
         return best
 
     def _defer(self, req: Request, n: int) -> bool:
         """Whether req should wait: a running prompt still being prefilled shares DEFER_MIN_TOKENS more with it than
         the n tokens it can reuse now."""
         prompt = req.prompt_token_ids
+        if len(prompt) - 1 - n < DEFER_MIN_TOKENS:  # nothing left that waiting could save
+            return False
         for r in self.running:
-            if r.num_computed < r.num_prompt_tokens:
+            if r.num_computed < r.num_prompt_tokens and min(len(prompt), r.num_prompt_tokens) - 1 - n >= DEFER_MIN_TOKENS:
                 shared = min(common_prefix(prompt, r.prompt_token_ids) - 1, len(prompt) - 1)
                 if shared - n >= DEFER_MIN_TOKENS:
                     return True
@@ -276,7 +283,6 @@ class Scheduler:
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens a and b share."""
     n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if len(diff) else n
+    if a[:n] == b[:n]:  # the common case (a repeated prompt, a shared system prompt's source), without numpy
+        return n
+    return int(np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0])
