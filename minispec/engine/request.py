@@ -225,12 +225,8 @@ class Scheduler:
         prompt = req.prompt_token_ids
         if len(prompt) - 1 - n < DEFER_MIN_TOKENS:  # nothing left that waiting could save
             return False
-        for r in self.running:
-            if r.num_computed < r.num_prompt_tokens and min(len(prompt), r.num_prompt_tokens) - 1 - n >= DEFER_MIN_TOKENS:
-                shared = min(common_prefix(prompt, r.prompt_token_ids) - 1, len(prompt) - 1)
-                if shared - n >= DEFER_MIN_TOKENS:
-                    return True
-        return False
+        return any(r.num_computed < r.num_prompt_tokens and
+                   common_prefix(prompt, r.prompt_token_ids) - 1 - n >= DEFER_MIN_TOKENS for r in self.running)
 
     def _admit(self) -> None:
         """Give free slots to waiting requests, oldest first, each reusing the longest prefix it finds (the first
