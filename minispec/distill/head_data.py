@@ -3,6 +3,9 @@ writing them (captured in the same forwards) and its top-k next-token log-probab
 
 The data lives in a directory of shards (shard-00000.pt, ...) and a manifest.json: a later run with more
 prompts or a larger time budget makes only the answers the directory does not hold yet.
+The answers are the expensive part (one decode step a token); the states and top-k are one teacher-forced
+forward away. `export_answers` keeps a directory's answers alone as a small .npz (token ids, 2 bytes a token),
+and `rebuild` makes the directory again from such a file, on another machine.
 One record per answer:
   ids [L] int32: prompt then answer;  start: index of the first answer token
   states [L - 1, C * hidden] float16: the captured hidden states of positions 0 .. L - 2 (the last token is
@@ -18,6 +21,7 @@ import time
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from minispec.data import load_prompts
@@ -64,6 +68,27 @@ def read_manifest(out: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {"settings": None, "shards": [], "done": []}
 
 
+def write_shard(out: Path, manifest: dict, prompts: list[str], records: list[dict]) -> None:
+    """Save records (one per prompt) as the next shard of out/ and the manifest after it (nothing when empty)."""
+    if not records:
+        return
+    name = f"shard-{len(manifest['shards']):05d}.pt"
+    torch.save(records, out / name)
+    manifest["shards"].append(name)
+    manifest["done"] += prompts
+    (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest))
+    (out / (MANIFEST + ".tmp")).replace(out / MANIFEST)
+
+
+def _load_capturing(target_spec: str):
+    """The target on the CPU in float32 (packed where it can be), capturing EAGLE-3's three feature layers."""
+    from minispec.models.loader import load_model
+
+    loaded = load_model(target_spec, dtype=torch.float32, device=torch.device("cpu"), packed=None)
+    loaded.model.capture_layers = default_capture_layers(loaded.model.num_layers)
+    return loaded
+
+
 def load_records(out: Path | list[Path], max_tokens: int | None = None) -> list[dict]:
     """Every record of one data directory or several, in the order made; max_tokens: stop once that many answer
     tokens."""
@@ -92,7 +117,6 @@ def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int =
     from tqdm import tqdm
 
     from minispec.llm import encode_text
-    from minispec.models.loader import load_model
     from minispec.runner.model_runner import ModelRunner
 
     if prompt_file is not None and split != "train":
@@ -102,9 +126,8 @@ def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int =
     else:
         prompts = train_prompts(num_prompts, seed) if split == "train" else load_prompts("eval")[:num_prompts]
     out.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(target_spec, dtype=torch.float32, device=torch.device("cpu"), packed=None)
+    loaded = _load_capturing(target_spec)
     model = loaded.model
-    model.capture_layers = default_capture_layers(model.num_layers)
     settings = {"target": loaded.name, "max_tokens": max_tokens, "sampled_every": sampled_every, "top_k": top_k,
                 "seed": seed, "capture_layers": list(model.capture_layers), "chat": True}
     if split != "train":
@@ -140,14 +163,7 @@ def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int =
 
     def flush():
         nonlocal finished
-        if not finished:
-            return
-        name = f"shard-{len(manifest['shards']):05d}.pt"
-        torch.save([r["record"] for r in finished], out / name)
-        manifest["shards"].append(name)
-        manifest["done"] += [r["prompt"] for r in finished]
-        (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest))
-        (out / (MANIFEST + ".tmp")).replace(out / MANIFEST)
+        write_shard(out, manifest, [r["prompt"] for r in finished], [r["record"] for r in finished])
         finished = []
 
     eos = loaded.eos_token_ids
@@ -200,6 +216,128 @@ def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int =
     return manifest
 
 
+def export_answers(out: Path, path: Path) -> int:
+    """Write the answers of data directory out/ to path (.npz): each record's token ids, answer start and temperature,
+    its prompt, and the directory's settings, in the order made. Returns the number of answer tokens."""
+    manifest = read_manifest(out)
+    if not manifest["shards"]:
+        raise ValueError(f"{out} holds no head data (no {MANIFEST} with shards)")
+    ids, starts, temps = [], [], []
+    for shard in manifest["shards"]:
+        for r in torch.load(out / shard, weights_only=False):
+            ids.append(r["ids"].numpy())
+            starts.append(r["start"])
+            temps.append(r["temperature"])
+    if len(ids) != len(manifest["done"]):
+        raise ValueError(f"{out}: {len(ids)} records but {len(manifest['done'])} prompts in {MANIFEST}")
+    flat = np.concatenate(ids)
+    with open(path, "wb") as fh:  # the name as given (np.savez would add .npz)
+        np.savez_compressed(fh, settings=np.array(json.dumps(manifest["settings"])), prompts=np.array(json.dumps(manifest["done"])),
+                            ids=flat.astype(np.uint16 if flat.max() < 2**16 else np.int32),
+                            offsets=np.cumsum([0] + [len(x) for x in ids]), starts=np.array(starts, dtype=np.int32),
+                            temperatures=np.array(temps, dtype=np.float64))
+    return int(sum(len(x) for x in ids) - sum(starts))
+
+
+def read_answers(path: Path) -> dict:
+    """An exported answers file: settings (dict), prompts, and per answer its ids (list of int32 tensors), start and
+    temperature."""
+    try:
+        f = np.load(path, allow_pickle=False)
+        settings = json.loads(str(f["settings"]))
+        offsets, flat = f["offsets"], f["ids"].astype(np.int32)
+        answers = {"settings": settings, "prompts": json.loads(str(f["prompts"])),
+                   "ids": [torch.from_numpy(flat[a:b].copy()) for a, b in zip(offsets[:-1], offsets[1:])],
+                   "starts": [int(x) for x in f["starts"]], "temperatures": [float(x) for x in f["temperatures"]]}
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"{path}: not an answers file written by --export ({e})") from None
+    n = len(answers["prompts"])
+    if not len(answers["ids"]) == len(answers["starts"]) == len(answers["temperatures"]) == n:
+        raise ValueError(f"{path}: {n} prompts but {len(answers['ids'])} answers")
+    return answers
+
+
+@torch.inference_mode()
+def rebuild(target_spec: str, answers_path: Path, out: Path, *, batch_tokens: int = 2048, max_rows: int = 16,
+            shard_size: int = 50, time_budget_min: float = 0.0, log=print) -> dict:
+    """Make data directory out/ again from an answers file: one teacher-forced forward over each record's prompt and
+    answer gives the states and top-k that generate() captured token by token (equal up to float summation order).
+    Resumes like generate(); forwards take up to max_rows records and batch_tokens positions. Returns the manifest."""
+    from tqdm import tqdm
+
+    from minispec.runner.model_runner import ModelRunner
+
+    answers = read_answers(answers_path)
+    settings = answers["settings"]
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = read_manifest(out)
+    if manifest["settings"] not in (None, settings):
+        raise ValueError(f"{out} holds data made with other settings ({manifest['settings']}); use another directory")
+    loaded = _load_capturing(target_spec)
+    model = loaded.model
+    if loaded.name != settings["target"] or list(model.capture_layers) != settings["capture_layers"]:
+        raise ValueError(f"{answers_path} holds answers of {settings['target']} (layers {settings['capture_layers']}), "
+                         f"not of {loaded.name} (layers {list(model.capture_layers)})")
+    vocab = model.vocab_size
+    if any(int(x.max()) >= vocab or int(x.min()) < 0 for x in answers["ids"]):
+        raise ValueError(f"{answers_path}: token ids outside {loaded.name}'s vocabulary of {vocab}")
+    manifest["settings"] = settings
+    done = set(manifest["done"])
+    todo = [i for i, p in enumerate(answers["prompts"]) if p not in done]
+    log(f"head data: {len(done)} answers in {out}, {len(todo)} to rebuild from {answers_path}")
+    if not todo:
+        return manifest
+    top_k = settings["top_k"]
+    max_len = max(len(answers["ids"][i]) for i in todo)
+    runner = ModelRunner(model, max_rows, max_len, dtype=torch.float32, device=torch.device("cpu"))
+    states_of: dict[int, torch.Tensor] = {}
+
+    def on_hidden(slots, starts, lens, states):
+        at = 0
+        for s, n in zip(slots, lens):
+            states_of[s] = states[at : at + n].to(torch.float16)
+            at += n
+    runner.on_hidden = on_hidden
+
+    t0, made, disagree = time.perf_counter(), 0, 0
+    bar = tqdm(total=len(todo), desc="head data (rebuild)", unit="answer")
+    for w in range(0, len(todo), shard_size):
+        if time_budget_min and time.perf_counter() - t0 > 60 * time_budget_min:
+            log(f"head data: time budget of {time_budget_min} min reached")
+            break
+        window = todo[w : w + shard_size]
+        records: dict[int, dict] = {}
+        by_len = sorted(window, key=lambda i: len(answers["ids"][i]))
+        while by_len:  # forwards of similar lengths, up to max_rows records and batch_tokens positions
+            group = [by_len.pop(0)]
+            while by_len and len(group) < max_rows and (len(group) + 1) * len(answers["ids"][by_len[0]]) <= batch_tokens:
+                group.append(by_len.pop(0))
+            ids = [answers["ids"][i] for i in group]
+            starts = [answers["starts"][i] for i in group]
+            n_logits = [len(x) - s for x, s in zip(ids, starts)]
+            logits = runner.forward(list(range(len(group))), [0] * len(group), [x[:-1].tolist() for x in ids], n_logits)
+            top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)  # [sum(n_logits), K]
+            at = 0
+            for slot, (i, x, s, n) in enumerate(zip(group, ids, starts, n_logits)):
+                states = states_of.pop(slot)  # [L - 1, C * H]
+                if not torch.isfinite(states).all():
+                    raise ValueError("captured hidden states overflow float16")
+                rec = {"ids": x, "start": s, "states": states, "topk_ids": top_ids[at : at + n].to(torch.int32),
+                       "topk_logp": top_logp[at : at + n].to(torch.float16), "temperature": answers["temperatures"][i]}
+                if rec["temperature"] == 0:  # a greedy answer is the target's argmax, near-ties aside
+                    disagree += int((rec["topk_ids"][:, 0] != x[s:]).sum())
+                records[i] = rec
+                made += n
+                at += n
+        write_shard(out, manifest, [answers["prompts"][i] for i in window], [records[i] for i in window])
+        bar.update(len(window))
+        bar.set_postfix(tok_s=f"{made / (time.perf_counter() - t0):.0f}")
+    bar.close()
+    log(f"head data: {made} answer tokens rebuilt in {time.perf_counter() - t0:.0f} s -> {out}; {disagree} greedy "
+        f"answer tokens are not the rebuilt argmax (near-ties)")
+    return manifest
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="make a draft head's training data from the target's own answers")
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -217,14 +355,25 @@ def main(argv=None) -> None:
     ap.add_argument("--time-budget-min", type=float, default=0.0)
     ap.add_argument("--shard-size", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--export", type=Path, default=None, metavar="FILE",
+                    help="write --out's answers alone (token ids, prompts, settings) to FILE (.npz) and stop")
+    ap.add_argument("--from-answers", type=Path, default=None, metavar="FILE",
+                    help="make --out from an --export file by teacher forcing, instead of generating")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
+        if a.export is not None:
+            n = export_answers(a.out, a.export)
+            print(f"head data: {n} answer tokens of {a.out} -> {a.export} ({a.export.stat().st_size / 1e6:.2f} MB)")
+            return
+        if a.from_answers is not None:
+            rebuild(a.target, a.from_answers, a.out, shard_size=a.shard_size, time_budget_min=a.time_budget_min)
+            return
         generate(a.target, a.out, a.num_prompts, max_tokens=a.max_tokens, batch=a.batch, sampled_every=a.sampled_every,
                  top_k=a.top_k, seed=a.seed, time_budget_min=a.time_budget_min, shard_size=a.shard_size, split=a.split,
                  prompt_file=a.prompts)
-    except ValueError as e:  # a bad prompt file, too many prompts asked for, data made with other settings
+    except ValueError as e:  # a bad prompt file or answers file, too many prompts asked for, other settings
         ap.error(str(e))
 
 
