@@ -223,3 +223,26 @@ def test_exported_answers_rebuild_the_data_by_teacher_forcing(tiny, tmp_path, ca
     assert exit_.value.code == 2 and "not an answers file" in capsys.readouterr().err
     with pytest.raises(ValueError, match="other settings"):  # a directory of other data is not mixed with these
         rebuild(target, tmp_path / "cli.npz", root / "eval", log=quiet)
+
+
+def test_branched_greedy_answers_continue_greedily_after_the_second_choice(tiny, tmp_path):
+    root, target, _, _ = tiny
+    made = dict(zip(read_manifest(root / "train")["done"], load_records(root / "train")))  # prompt -> record
+    manifest = generate(target, tmp_path / "br", 6, max_tokens=10, batch=3, sampled_every=0, branch_within=4,
+                        log=lambda *a: None)
+    assert manifest["settings"]["branch_within"] == 4 and sorted(manifest["done"]) == sorted(made)
+    greedy = 0
+    for prompt, b in zip(manifest["done"], load_records(tmp_path / "br")):
+        assert b["temperature"] == 0
+        assert torch.equal(b["ids"][b["start"]:].long(), b["topk_ids"][:, 0].long())  # greedy after the branch
+        assert len(b["topk_ids"]) == len(b["ids"]) - b["start"] and b["states"].shape[0] == len(b["ids"]) - 1
+        a = made[prompt]
+        if a["temperature"] != 0:
+            continue
+        greedy += 1  # the fixture's greedy answer to the same prompt
+        prompt_len = a["start"]
+        at = b["start"] - 1  # the second choice's index
+        assert prompt_len <= at < prompt_len + 4
+        assert torch.equal(b["ids"][:at], a["ids"][:at])  # the greedy answer up to the branch
+        assert int(b["ids"][at]) == int(a["topk_ids"][at - prompt_len, 1]) != int(a["ids"][at])  # its second choice
+    assert greedy == 3

@@ -106,13 +106,17 @@ def load_records(out: Path | list[Path], max_tokens: int | None = None) -> list[
 @torch.inference_mode()
 def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int = 256, batch: int = 16,
              sampled_every: int = 2, top_k: int = 20, seed: int = 0, time_budget_min: float = 0.0,
-             shard_size: int = 256, split: str = "train", prompt_file: Path | None = None, log=print) -> dict:
+             shard_size: int = 256, split: str = "train", prompt_file: Path | None = None, branch_within: int = 0,
+             log=print) -> dict:
     """Answer the first num_prompts prompts of a split (train: prompts.json's and synthetic ones, or prompt_file's;
     eval: the held-out prompts) that out/ lacks with the target, capturing its hidden states.
 
     Continuous batching over one ModelRunner: a finished answer's slot takes the next prompt, whose prefill
     runs as its own padded forward beside the decodes. Stops at time_budget_min (0 = none), saving what is
     done; a later call resumes. Returns the manifest.
+    branch_within > 0: a greedy answer takes the target's second choice once, at an answer position drawn below
+    branch_within, and its record's answer is the greedy continuation after that token (a greedy answer to a new
+    context; the answer before it is context); one that ends first stays a plain greedy answer.
     """
     from tqdm import tqdm
 
@@ -132,6 +136,8 @@ def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int =
                 "seed": seed, "capture_layers": list(model.capture_layers), "chat": True}
     if split != "train":
         settings["split"] = split
+    if branch_within:
+        settings["branch_within"] = branch_within
     if prompt_file is not None:
         settings["prompt_file"] = Path(prompt_file).name
     manifest = read_manifest(out)
@@ -176,7 +182,9 @@ def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int =
                 i, p = queue.pop(0)
                 ids = encode_text(loaded.tokenizer, p, True, loaded.name)[: max_len // 2]
                 g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(p.encode())) % 2**63)
-                active[slot] = {"prompt": p, "ids": ids, "start": len(ids), "fed": 0, "T": answer_temperature(i, sampled_every),
+                T = answer_temperature(i, sampled_every)
+                branch = int(torch.randint(branch_within, (1,), generator=g)) if branch_within and T == 0 else -1
+                active[slot] = {"prompt": p, "ids": ids, "start": len(ids), "fed": 0, "T": T, "branch": branch,
                                 "gen": g, "topk_ids": [], "topk_logp": []}
                 states_of[slot] = []
         slots = sorted(active)
@@ -190,11 +198,16 @@ def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int =
             a["fed"] = len(a["ids"])
             a["topk_ids"].append(top_ids[j].to(torch.int32))
             a["topk_logp"].append(top_logp[j].to(torch.float16))
+            branch = a["branch"] == len(a["ids"]) - a["start"] and int(top_ids[j, 1]) not in eos
             if a["T"] == 0:
-                tok = int(top_ids[j, 0])
+                tok = int(top_ids[j, 1 if branch else 0])
             else:
                 tok = int(torch.multinomial(torch.softmax(logits[j] / a["T"], -1), 1, generator=a["gen"]))
             a["ids"].append(tok)
+            if branch:  # the answer restarts after the second choice (a second choice that ends it waits a token)
+                a["start"], a["branch"], a["topk_ids"], a["topk_logp"] = len(a["ids"]), -1, [], []
+            elif a["branch"] == len(a["ids"]) - 1 - a["start"]:
+                a["branch"] += 1
             n_answer = len(a["ids"]) - a["start"]
             if tok in eos or n_answer >= max_tokens or len(a["ids"]) >= max_len:
                 states = torch.cat(states_of.pop(s))  # [L - 1, C * H]
@@ -350,6 +363,9 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--sampled-every", type=int, default=2, help="every Nth answer sampled at T = 0.8 (0: all greedy)")
     ap.add_argument("--top-k", type=int, default=20)
+    ap.add_argument("--branch-within", type=int, default=0, metavar="N",
+                    help="greedy answers take the target's second choice once, below answer position N, and keep the "
+                         "greedy continuation after it as the answer (0: off)")
     ap.add_argument("--seed", type=int, default=0,
                     help="the sampled answers' seed: another seed, with --sampled-every 1, makes new answers to the same prompts")
     ap.add_argument("--time-budget-min", type=float, default=0.0)
@@ -372,7 +388,7 @@ def main(argv=None) -> None:
             return
         generate(a.target, a.out, a.num_prompts, max_tokens=a.max_tokens, batch=a.batch, sampled_every=a.sampled_every,
                  top_k=a.top_k, seed=a.seed, time_budget_min=a.time_budget_min, shard_size=a.shard_size, split=a.split,
-                 prompt_file=a.prompts)
+                 prompt_file=a.prompts, branch_within=a.branch_within)
     except ValueError as e:  # a bad prompt file or answers file, too many prompts asked for, other settings
         ap.error(str(e))
 
