@@ -286,6 +286,14 @@ MUTANTS = [
     Mutant("tiled layout: a word's two bytes swapped by tile_rows", "minispec/layers/quant.py",
            "reshape(t, g, 256)  # [T, G, c, word 2 j + h, byte]", "flip(-1).reshape(t, g, 256)",
            ("tests/test_quant.py", "-k", "tiled_rows_hold")),
+    # ---- the head's training data (distill/head_data.py)
+    Mutant("head data rebuild: the last answer token fed too (states one position long, top-k shifted)",
+           "minispec/distill/head_data.py", "[0] * len(group), [x[:-1].tolist() for x in ids], n_logits)",
+           "[0] * len(group), [x.tolist() for x in ids], n_logits)",
+           ("tests/test_head_training.py", "-k", "rebuild")),
+    Mutant("head data branch: the answer not restarted after the second choice", "minispec/distill/head_data.py",
+           'a["start"], a["branch"], a["topk_ids"], a["topk_logp"] = len(a["ids"]), -1, [], []',
+           'a["branch"] = -1', ("tests/test_head_training.py", "-k", "branched")),
 ]
 
 
