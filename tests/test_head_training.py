@@ -246,3 +246,16 @@ def test_branched_greedy_answers_continue_greedily_after_the_second_choice(tiny,
         assert torch.equal(b["ids"][:at], a["ids"][:at])  # the greedy answer up to the branch
         assert int(b["ids"][at]) == int(a["topk_ids"][at - prompt_len, 1]) != int(a["ids"][at])  # its second choice
     assert greedy == 3
+
+
+def test_bf16_autocast_defaults_to_cpus_that_have_it(monkeypatch):
+    """Emulated bfloat16 matmuls are several times slower than float32 (an AVX2 Zen 3: 6x), so the head trains in
+    float32 there unless --bf16 true is given."""
+    import minispec.kernels as kernels
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    assert HeadTrainConfig().bf16 is False
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert HeadTrainConfig().bf16 is True
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert HeadTrainConfig().bf16 is True

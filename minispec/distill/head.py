@@ -19,13 +19,14 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from minispec.distill.head_data import load_records, read_manifest
+from minispec.kernels import native_bf16
 from minispec.models.eagle import EagleHead, HeadConfig, draft_rows, load_head, save_head
 from minispec.tools.config import field_help
 from minispec.tools.metrics import tau_from_acceptance
@@ -55,7 +56,7 @@ class HeadTrainConfig:
     eval_every: int = 200  # steps between held-out evals (each also saves a checkpoint)
     seed: int = 0  # initialisation and batch order
     threads: int = 0  # torch threads (0 = torch's default)
-    bf16: bool = True  # autocast the head's matmuls to bfloat16 (AVX512-BF16 / AMX / tensor cores); weights float32
+    bf16: bool = field(default_factory=native_bf16)  # autocast the head's matmuls to bfloat16, weights float32 (default: where the CPU has AVX512-BF16 or AMX; elsewhere bfloat16 is emulated, 6x slower than float32)
     init: str = ""  # an earlier run's out/: start from its head (weights, draft vocabulary), with a fresh schedule
 
 

@@ -3,6 +3,7 @@ packed-weight linear, the decode step's small ops, every decoder layer in one ca
 (the packed-weight linear on GPU)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -12,6 +13,22 @@ import warnings
 from pathlib import Path
 
 from minispec.utils import one_line
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return frozenset(w for ln in lines if ln.startswith("flags") for w in ln.split(":", 1)[1].split())
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); elsewhere torch emulates it, slower than
+    float32."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def _cpu_identity() -> bytes:
