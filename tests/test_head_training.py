@@ -221,6 +221,9 @@ def test_exported_answers_rebuild_the_data_by_teacher_forcing(tiny, tmp_path, ca
     with pytest.raises(SystemExit) as exit_:
         main(["--target", target, "--out", str(tmp_path / "y"), "--from-answers", str(tmp_path / "junk.npz")])
     assert exit_.value.code == 2 and "not an answers file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "y"), "--export", "a.npz", "--from-answers", str(tmp_path / "cli.npz")])
+    assert "give one" in capsys.readouterr().err
     with pytest.raises(ValueError, match="other settings"):  # a directory of other data is not mixed with these
         rebuild(target, tmp_path / "cli.npz", root / "eval", log=quiet)
 
@@ -246,6 +249,8 @@ def test_branched_greedy_answers_continue_greedily_after_the_second_choice(tiny,
         assert torch.equal(b["ids"][:at], a["ids"][:at])  # the greedy answer up to the branch
         assert int(b["ids"][at]) == int(a["topk_ids"][at - prompt_len, 1]) != int(a["ids"][at])  # its second choice
     assert greedy == 3
+    with pytest.raises(ValueError, match="branch-within -1"):
+        generate(target, tmp_path / "neg", 1, branch_within=-1, log=lambda *a: None)
 
 
 def test_bf16_autocast_defaults_to_cpus_that_have_it(monkeypatch):

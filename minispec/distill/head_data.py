@@ -125,6 +125,8 @@ def generate(target_spec: str, out: Path, num_prompts: int, *, max_tokens: int =
 
     if prompt_file is not None and split != "train":
         raise ValueError("--prompts gives train prompts; it does not go with --split eval")
+    if branch_within < 0:
+        raise ValueError(f"--branch-within {branch_within}: give an answer position above 0, or 0 for no branching")
     if prompt_file is not None:  # a bad file is refused before the target loads
         prompts = file_prompts(prompt_file)[:num_prompts]
     else:
@@ -347,7 +349,7 @@ def rebuild(target_spec: str, answers_path: Path, out: Path, *, batch_tokens: in
         bar.set_postfix(tok_s=f"{made / (time.perf_counter() - t0):.0f}")
     bar.close()
     log(f"head data: {made} answer tokens rebuilt in {time.perf_counter() - t0:.0f} s -> {out}; {disagree} greedy "
-        f"answer tokens are not the rebuilt argmax (near-ties)")
+        f"answer tokens are not the rebuilt argmax (float near-ties; many would mean another target)")
     return manifest
 
 
@@ -379,6 +381,8 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
+        if a.export is not None and a.from_answers is not None:
+            raise ValueError("--export writes --out's answers and --from-answers reads them: give one")
         if a.export is not None:
             n = export_answers(a.out, a.export)
             print(f"head data: {n} answer tokens of {a.out} -> {a.export} ({a.export.stat().st_size / 1e6:.2f} MB)")
