@@ -56,7 +56,7 @@ class HeadTrainConfig:
     eval_every: int = 200  # steps between held-out evals (each also saves a checkpoint)
     seed: int = 0  # initialisation and batch order
     threads: int = 0  # torch threads (0 = torch's default)
-    bf16: bool = field(default_factory=native_bf16)  # autocast the head's matmuls to bfloat16, weights float32 (default: where the CPU has AVX512-BF16 or AMX; elsewhere bfloat16 is emulated, 6x slower than float32)
+    bf16: bool = field(default_factory=native_bf16)  # bf16 autocast (weights fp32); default: AVX512-BF16 / AMX CPUs
     init: str = ""  # an earlier run's out/: start from its head (weights, draft vocabulary), with a fresh schedule
 
 

@@ -247,7 +247,8 @@ def export_answers(out: Path, path: Path) -> int:
         raise ValueError(f"{out}: {len(ids)} records but {len(manifest['done'])} prompts in {MANIFEST}")
     flat = np.concatenate(ids)
     with open(path, "wb") as fh:  # the name as given (np.savez would add .npz)
-        np.savez_compressed(fh, settings=np.array(json.dumps(manifest["settings"])), prompts=np.array(json.dumps(manifest["done"])),
+        np.savez_compressed(fh, settings=np.array(json.dumps(manifest["settings"])),
+                            prompts=np.array(json.dumps(manifest["done"])),
                             ids=flat.astype(np.uint16 if flat.max() < 2**16 else np.int32),
                             offsets=np.cumsum([0] + [len(x) for x in ids]), starts=np.array(starts, dtype=np.int32),
                             temperatures=np.array(temps, dtype=np.float64))
